@@ -1,0 +1,29 @@
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test lint typecheck pytest bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev,model]'
+	touch $(STAMP)
+
+demo: install
+	$(BIN)/topkv demo
+
+test: install
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/mypy
+	$(BIN)/pytest
+
+bench: install
+	for b in benchmarks/*.py; do $(BIN)/python $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info

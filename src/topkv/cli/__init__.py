@@ -1,0 +1,1 @@
+"""Command-line interface: thin commands that call into the library layers."""
