@@ -1,0 +1,1 @@
+"""Topology discovery: the model, tool-output parsers, probes and path classification."""
