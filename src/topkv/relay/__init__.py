@@ -1,0 +1,1 @@
+"""KV relay: the orchestrator, its active-transfer registry, and the worker registry."""
