@@ -1,0 +1,110 @@
+"""Completion-time estimate of one transfer over one candidate path.
+
+``estimated_s = chunks * setup_latency + (nbytes + queued_bytes) / bandwidth``
+
+* ``bandwidth`` is the measured figure for the path when the
+  :class:`~topkv.policy.bandwidth.BandwidthReader` has a fresh one, else the nominal one;
+* ``queued_bytes`` is what the busiest link of the path must carry for others before this
+  transfer is done. Under fair sharing, a link with ``k`` active flows holding ``B`` bytes
+  in flight serves ``sum_i min(r_i, nbytes)`` bytes of theirs while ours completes, which
+  is at most ``min(B, k * nbytes)`` and equal to it when the other flows are all larger or
+  all smaller than ours. The estimate uses that bound, and the busiest link of the path
+  (the one with the most queued bytes) as the bottleneck.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from topkv.policy.bandwidth import BandwidthReader, BandwidthSource
+from topkv.policy.view import LinkLoad, PathCandidate, TransferRequest
+
+
+@dataclass(frozen=True)
+class CandidateEstimate:
+    """One candidate path with its estimated completion time and how it was reached."""
+
+    transport: str
+    estimated_s: float
+    bandwidth_gbps: float
+    source: BandwidthSource
+    reason: str
+    links: tuple[str, ...] = ()
+    setup_s: float = 0.0
+    queued_bytes: int = 0
+    bottleneck_link: str | None = None
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "transport": self.transport,
+            "estimated_s": self.estimated_s,
+            "bandwidth_gbps": self.bandwidth_gbps,
+            "source": self.source,
+            "reason": self.reason,
+            "links": list(self.links),
+            "setup_s": self.setup_s,
+            "queued_bytes": self.queued_bytes,
+            "bottleneck_link": self.bottleneck_link,
+        }
+
+
+def queued_bytes_on(load: LinkLoad, link: str, nbytes: int) -> int:
+    """Bytes of other flows that ``link`` serves while a transfer of ``nbytes`` completes."""
+    in_flight = load.bytes_on(link)
+    flows = load.flows_on(link)
+    if flows <= 0:
+        return in_flight
+    return min(in_flight, flows * nbytes)
+
+
+def _format_bytes(nbytes: int) -> str:
+    value = float(nbytes)
+    for unit in ("B", "KB", "MB", "GB"):
+        if value < 1000 or unit == "GB":
+            return f"{value:.3g} {unit}" if unit != "B" else f"{nbytes} B"
+        value /= 1000
+    return f"{nbytes} B"  # pragma: no cover - loop always returns
+
+
+def _format_seconds(seconds: float) -> str:
+    if seconds >= 1:
+        return f"{seconds:.3g} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.3g} ms"
+    return f"{seconds * 1e6:.3g} us"
+
+
+def estimate_path(
+    candidate: PathCandidate,
+    request: TransferRequest,
+    load: LinkLoad,
+    reader: BandwidthReader,
+) -> CandidateEstimate:
+    """Estimate how long ``request`` takes over ``candidate`` given ``load`` right now."""
+    reading = reader.reading(candidate)
+    bottleneck: str | None = None
+    queued = 0
+    for link in candidate.links:
+        on_link = queued_bytes_on(load, link, request.nbytes)
+        if on_link > queued:
+            bottleneck, queued = link, on_link
+    setup_s = request.chunks * candidate.setup_latency_s
+    data_s = (request.nbytes + queued) / (reading.gbps * 1e9)
+    estimated = setup_s + data_s
+    queue_text = f" + {_format_bytes(queued)} queued on {bottleneck}" if bottleneck else ""
+    reason = (
+        f"{request.chunks} x {_format_seconds(candidate.setup_latency_s)} setup"
+        f" + ({_format_bytes(request.nbytes)}{queue_text})"
+        f" / {reading.gbps:.4g} GB/s ({reading.source})"
+    )
+    return CandidateEstimate(
+        transport=candidate.transport,
+        estimated_s=estimated,
+        bandwidth_gbps=reading.gbps,
+        source=reading.source,
+        reason=reason,
+        links=candidate.links,
+        setup_s=setup_s,
+        queued_bytes=queued,
+        bottleneck_link=bottleneck,
+    )

@@ -1,0 +1,93 @@
+"""Pair views built from plain facts, and the shared-link naming convention.
+
+The simulator and tests describe a pair by a few facts (same node? same NVLink domain?
+RDMA NICs?) and get the same :class:`~topkv.policy.view.PairView` shape the topology adapter
+produces from a discovered cluster. Link ids name the shared resources a path occupies:
+
+* ``<node>/GPU<i>:nvlink`` and ``<node>/GPU<i>:pcie``: a GPU's NVLink and PCIe ports;
+* ``<node>:<nic>``: an RDMA NIC (``mlx5_0``, ``nic0``);
+* ``<node>:tcp``: the node's TCP/IP networking.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from topkv.policy.errors import PolicyInputError
+from topkv.policy.nominal import NOMINAL_TRANSPORTS, NominalTransport
+from topkv.policy.view import NVLINK_FAMILY, Endpoint, PairView, PathCandidate
+
+
+def gpu_port(endpoint: Endpoint, kind: str) -> str:
+    """Link id of a GPU's ``nvlink`` or ``pcie`` port."""
+    return f"{endpoint.node}/GPU{endpoint.gpu}:{kind}"
+
+
+def nic_port(node: str, nic: str) -> str:
+    """Link id of an RDMA NIC."""
+    return f"{node}:{nic}"
+
+
+def host_network(node: str) -> str:
+    """Link id of a node's TCP/IP networking."""
+    return f"{node}:tcp"
+
+
+def _unique(links: Sequence[str]) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(links))
+
+
+def pair_view_from_facts(
+    src: Endpoint,
+    dst: Endpoint,
+    *,
+    same_nvlink_domain: bool,
+    rdma_available: bool,
+    tcp_available: bool = True,
+    nvlink_transport: str = "nvlink",
+    src_nics: Sequence[str] = ("nic0",),
+    dst_nics: Sequence[str] = ("nic0",),
+    specs: Mapping[str, NominalTransport] = NOMINAL_TRANSPORTS,
+) -> PairView:
+    """A pair view with one candidate per available transport (one per NIC for RDMA).
+
+    Same NVLink domain adds an ``nvlink_transport`` path; same node adds PCIe; RDMA adds a
+    path through each source NIC (paired with the destination NICs in turn, also within a
+    node, as NIC loopback); TCP adds a host-network path. Figures come from ``specs``.
+    """
+    if nvlink_transport not in NVLINK_FAMILY:
+        raise PolicyInputError(
+            f"nvlink_transport {nvlink_transport!r} must be one of {sorted(NVLINK_FAMILY)}"
+        )
+    if rdma_available and (not src_nics or not dst_nics):
+        raise PolicyInputError("RDMA is available but a side names no NIC")
+
+    def path(transport: str, links: Sequence[str]) -> PathCandidate:
+        spec = specs.get(transport)
+        if spec is None:
+            raise PolicyInputError(f"no nominal figures for transport {transport!r}")
+        return PathCandidate(transport, spec.bandwidth_gbps, spec.setup_latency_s, _unique(links))
+
+    same_node = src.node == dst.node
+    candidates: list[PathCandidate] = []
+    if same_nvlink_domain:
+        candidates.append(
+            path(nvlink_transport, [gpu_port(src, "nvlink"), gpu_port(dst, "nvlink")])
+        )
+    if same_node:
+        candidates.append(path("pcie", [gpu_port(src, "pcie"), gpu_port(dst, "pcie")]))
+    if rdma_available:
+        for i, nic in enumerate(src_nics):
+            peer = dst_nics[i % len(dst_nics)]
+            candidates.append(path("rdma", [nic_port(src.node, nic), nic_port(dst.node, peer)]))
+    if tcp_available:
+        candidates.append(path("tcp", [host_network(src.node), host_network(dst.node)]))
+    return PairView(
+        src=src,
+        dst=dst,
+        same_nvlink_domain=same_nvlink_domain,
+        same_node=same_node,
+        rdma_available=rdma_available,
+        tcp_available=tcp_available,
+        candidates=tuple(candidates),
+    )
