@@ -17,6 +17,7 @@ from topkv.errors import TopKVError
 
 COMMAND_MODULES: list[str] = [
     # one entry per module in topkv.cli, e.g. "plan"
+    "plan",
 ]
 
 _typer_app = typer.Typer(
