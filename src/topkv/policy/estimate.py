@@ -2,6 +2,9 @@
 
 ``estimated_s = chunks * setup_latency + (nbytes + queued_bytes) / bandwidth``
 
+which is the planner's Eq. 2 (:func:`topkv.planner.transports.transfer_time_s`) applied to
+the bytes this transfer must wait for and the bandwidth the path has now:
+
 * ``bandwidth`` is the measured figure for the path when the
   :class:`~topkv.policy.bandwidth.BandwidthReader` has a fresh one, else the nominal one;
 * ``queued_bytes`` is what the busiest link of the path must carry for others before this
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from topkv.planner.transports import TransportSpec, transfer_time_s
 from topkv.policy.bandwidth import BandwidthReader, BandwidthSource
 from topkv.policy.view import LinkLoad, PathCandidate, TransferRequest
 
@@ -89,8 +93,8 @@ def estimate_path(
         if on_link > queued:
             bottleneck, queued = link, on_link
     setup_s = request.chunks * candidate.setup_latency_s
-    data_s = (request.nbytes + queued) / (reading.gbps * 1e9)
-    estimated = setup_s + data_s
+    effective = TransportSpec(candidate.transport, reading.gbps, candidate.setup_latency_s)
+    estimated = transfer_time_s(request.nbytes + queued, effective, request.chunks)
     queue_text = f" + {_format_bytes(queued)} queued on {bottleneck}" if bottleneck else ""
     reason = (
         f"{request.chunks} x {_format_seconds(candidate.setup_latency_s)} setup"

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from topkv.planner.transports import DEFAULT_TRANSPORTS, TransportSpec
 from topkv.policy.errors import PolicyInputError
-from topkv.policy.nominal import NOMINAL_TRANSPORTS, NominalTransport
 from topkv.policy.view import NVLINK_FAMILY, Endpoint, PairView, PathCandidate
 
 
@@ -47,13 +47,14 @@ def pair_view_from_facts(
     nvlink_transport: str = "nvlink",
     src_nics: Sequence[str] = ("nic0",),
     dst_nics: Sequence[str] = ("nic0",),
-    specs: Mapping[str, NominalTransport] = NOMINAL_TRANSPORTS,
+    specs: Mapping[str, TransportSpec] = DEFAULT_TRANSPORTS,
 ) -> PairView:
     """A pair view with one candidate per available transport (one per NIC for RDMA).
 
     Same NVLink domain adds an ``nvlink_transport`` path; same node adds PCIe; RDMA adds a
     path through each source NIC (paired with the destination NICs in turn, also within a
-    node, as NIC loopback); TCP adds a host-network path. Figures come from ``specs``.
+    node, as NIC loopback); TCP adds a host-network path. Figures come from ``specs``
+    (the planner's SPEC.md reference table by default).
     """
     if nvlink_transport not in NVLINK_FAMILY:
         raise PolicyInputError(

@@ -15,11 +15,12 @@ from types import MappingProxyType
 from topkv.policy.errors import PolicyInputError
 
 #: The transport modes in the order Algorithm 1 of the paper prefers them; also the
-#: deterministic tie-break between paths with equal estimates.
-TRANSPORT_LADDER: tuple[str, ...] = ("nvlink", "nvswitch", "pcie", "rdma", "tcp")
+#: deterministic tie-break between paths with equal estimates. ``xgmi`` (AMD Infinity
+#: Fabric) sits with the NVLink family, as the same kind of GPU-to-GPU fabric.
+TRANSPORT_LADDER: tuple[str, ...] = ("nvlink", "nvswitch", "xgmi", "pcie", "rdma", "tcp")
 
-#: The NVLink family: Algorithm 1's "nvlink" step picks whichever of these the pair has.
-NVLINK_FAMILY: frozenset[str] = frozenset({"nvlink", "nvswitch"})
+#: The GPU-fabric family: Algorithm 1's "nvlink" step picks whichever of these the pair has.
+NVLINK_FAMILY: frozenset[str] = frozenset({"nvlink", "nvswitch", "xgmi"})
 
 
 def ladder_rank(transport: str) -> int:
