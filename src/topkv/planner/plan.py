@@ -22,7 +22,7 @@ from topkv.planner.transports import (
 class TransportPlan(BaseModel):
     """Figures for one transport. ``transfer_ms`` is Eq. 2 for the whole cache in one
     chunk; ``pipelined_exposed_ms`` and ``hidden_fraction`` come from the exact per-layer
-    pipeline model (one chunk, one setup, per layer)."""
+    pipeline model (one chunk and one setup per layer that holds KV)."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -76,10 +76,10 @@ def build_plan(
     compute = [layer_compute_ms / 1e3] * model.num_layers
     rows: dict[str, TransportPlan] = {}
     for name, spec in transports.items():
+        # one chunk per layer that holds KV; linear-attention layers send nothing
         pipeline = simulate_pipeline(
             compute,
-            [wire_time_s(b, spec) for b in per_layer_bytes],
-            per_chunk_setup_s=spec.setup_latency_s,
+            [wire_time_s(b, spec) + spec.setup_latency_s if b else 0.0 for b in per_layer_bytes],
         )
         rows[name] = TransportPlan(
             bandwidth_gbps=spec.bandwidth_gbps,
