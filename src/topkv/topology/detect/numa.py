@@ -28,20 +28,20 @@ def parse_cpu_list(text: str) -> tuple[int, ...]:
     """CPU ids of a kernel CPU list: ``"0-3,8,10-11"`` -> ``(0, 1, 2, 3, 8, 10, 11)``.
 
     Commas and/or whitespace separate items (so numactl's ``"0 1 2"`` works too); the
-    kernel's stride form ``"0-7:2"`` is accepted. Empty text gives ``()``. The result is
+    kernel's group form ``"0-15:2/4"`` (first 2 of every 4) is accepted. Empty text gives ``()``. The result is
     sorted and without duplicates.
     """
     cpus: set[int] = set()
     for item in re.split(r"[,\s]+", text.strip()):
         if not item:
             continue
-        m = re.fullmatch(r"(\d+)(?:-(\d+)(?::(\d+)(?:/(\d+))?)?)?", item)
+        m = re.fullmatch(r"(\d+)(?:-(\d+)(?::(\d+)/(\d+))?)?", item)
         if not m:
             raise ParseError(f"CPU list {text.strip()[:60]!r}: {item[:20]!r} is not N or N-M")
         first = int(m.group(1))
         last = int(m.group(2)) if m.group(2) else first
         step = int(m.group(3)) if m.group(3) else 1
-        group = int(m.group(4)) if m.group(4) else step
+        group = int(m.group(4)) if m.group(4) else 1
         if last > MAX_CPU_ID:
             raise ParseError(f"CPU list {text.strip()[:60]!r}: CPU id {last} is implausible")
         if last < first or step == 0 or group == 0 or step > group:
