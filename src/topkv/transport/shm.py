@@ -1,0 +1,753 @@
+"""Shared-memory transport between processes on one host: one copy, read in place.
+
+The sender copies each layer (fusing the CRC-64 into the copy, chunk by chunk while the
+chunk is in cache) into a segment in ``/dev/shm`` that the receiver has mapped; the receiver
+verifies and hands out read-only views *into the segment* (no second copy). A unix socket
+carries the control records (transfer header, per-layer frame headers, acks, releases) and
+the same HMAC handshake as TCP.
+
+Segment lifetime (no leaks when either side crashes):
+
+* A segment is named ``topkv-shm-<owner pid>-<connection>-<n>``, created by the sender,
+  announced to the receiver, mapped by both, then **unlinked at once** by both: from then on
+  it lives only as long as some process maps it, so a crash frees it with the process.
+* Only the short window between creation and the receiver's mapping leaves a name in
+  ``/dev/shm``. The receiver unlinks every announced name when its peer disconnects, and
+  :func:`sweep_stale_segments` removes names whose owner pid is dead (run by every new source
+  and sink).
+* Segments are reused across transfers (pre-faulted memory, like a preallocated buffer). A
+  segment is loaned to the receiver from the OK ack until ``ReceivedKV.release()``; an error
+  ack returns it at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import mmap
+import os
+import queue
+import re
+import shutil
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from topkv.transport import framing
+from topkv.transport.base import (
+    Buffer,
+    LayerCallback,
+    LayerTensors,
+    OutgoingTransfer,
+    ReceivedKV,
+    TransferDescriptor,
+    TransferResult,
+    TransferSink,
+    TransferSource,
+    TransportMode,
+)
+from topkv.transport.errors import (
+    AuthenticationFailed,
+    ChecksumMismatch,
+    FrameRejected,
+    PeerDied,
+    ResourceExhausted,
+    TransferCancelled,
+    TransferTimeout,
+    TransportError,
+    TransportUnavailable,
+)
+from topkv.transport.handshake import client_handshake, server_handshake
+from topkv.transport.receiving import (
+    LayerMessage,
+    ReceiveTable,
+    TransferMessage,
+    carve_layers,
+    error_from_ack,
+    read_message,
+    status_for,
+)
+from topkv.transport.sending import LayerItem, check_layer
+from topkv.transport.sockio import send_buffers
+
+log = logging.getLogger(__name__)
+
+SEGMENT_DIR = Path("/dev/shm")
+SEGMENT_PREFIX = "topkv-shm-"
+_SEGMENT_NAME = re.compile(r"^topkv-shm-(\d+)-(\d+)-(\d+)$")
+COPY_CHUNK = 256 << 10
+_connection_ids = itertools.count(1)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_stale_segments(directory: Path = SEGMENT_DIR) -> list[str]:
+    """Unlink TopKV segments whose owner process is dead; returns the names removed."""
+    removed: list[str] = []
+    with contextlib.suppress(FileNotFoundError):
+        for entry in os.scandir(directory):
+            match = _SEGMENT_NAME.match(entry.name)
+            if match and not _pid_alive(int(match.group(1))):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry.path)
+                    removed.append(entry.name)
+    return removed
+
+
+def segments_of(pid: int, directory: Path = SEGMENT_DIR) -> list[str]:
+    """Names in ``directory`` owned by ``pid`` (for leak checks)."""
+    prefix = f"{SEGMENT_PREFIX}{pid}-"
+    with contextlib.suppress(FileNotFoundError):
+        return sorted(e.name for e in os.scandir(directory) if e.name.startswith(prefix))
+    return []
+
+
+def copy_with_crc(dst: memoryview, src: memoryview) -> int:
+    """Copy ``src`` into ``dst`` and return the CRC-64 of the bytes, in one pass."""
+    crc = 0
+    for start in range(0, len(src), COPY_CHUNK):
+        end = start + COPY_CHUNK
+        dst[start:end] = src[start:end]
+        crc = framing.crc64(dst[start:end], crc)
+    return crc
+
+
+def parse_shm_address(address: str) -> str:
+    if not address.startswith("shm://"):
+        raise TransportError(f"not an shm address: {address!r} (expected shm:///path.sock)")
+    return address[len("shm://") :]
+
+
+# -- sender ----------------------------------------------------------------------------------
+
+
+@dataclass
+class _Segment:
+    id: int
+    size: int
+    map: mmap.mmap
+    view: memoryview
+    busy: bool = False
+
+
+class _Connection:
+    """One control connection to a sink, with the segments that sink has mapped."""
+
+    def __init__(self, source: ShmSource, path: str) -> None:
+        self.source = source
+        self.id = next(_connection_ids)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(source.connect_timeout)
+        try:
+            self.sock.connect(path)
+            client_handshake(self.sock, source.secret)
+        except OSError as exc:
+            self.sock.close()
+            raise PeerDied(f"cannot connect to shm sink at {path}: {exc}") from exc
+        except BaseException:
+            self.sock.close()
+            raise
+        self.sock.settimeout(source.io_timeout)
+        self.send_lock = threading.Lock()
+        self.cond = threading.Condition()
+        self.create_lock = threading.Lock()
+        self.segments: dict[int, _Segment] = {}
+        self.mapped: dict[int, threading.Event] = {}
+        self.acks: dict[int, Future[framing.Control]] = {}
+        self.dead: TransportError | None = None
+        self._next_segment = itertools.count(1)
+        threading.Thread(target=self._read_loop, name="shm-src-read", daemon=True).start()
+
+    def send(self, *buffers: bytes | memoryview) -> None:
+        with self.send_lock:
+            if self.dead is not None:
+                raise self.dead
+            send_buffers(self.sock, buffers)
+
+    def control(self, kind: framing.ControlKind, request_id: int = 0, **kw: int) -> None:
+        self.send(framing.encode_control(framing.Control(kind, request_id, **kw)))  # type: ignore[arg-type]
+
+    def _read_loop(self) -> None:
+        error: TransportError
+        try:
+            self.sock.settimeout(None)  # the receiver speaks only in reply; EOF means death
+            while True:
+                message = read_message(self.sock, framing.ReceiveLimits())
+                if not isinstance(message, framing.Control):
+                    raise FrameRejected(f"shm sink sent an unexpected record {message!r}")
+                if message.kind == framing.ControlKind.ACK:
+                    with self.cond:
+                        future = self.acks.pop(message.request_id, None)
+                    if future is not None:
+                        future.set_result(message)
+                elif message.kind == framing.ControlKind.RELEASE:
+                    self.free(message.arg0)
+                elif message.kind == framing.ControlKind.SEGMENT_MAPPED:
+                    with self.cond:
+                        event = self.mapped.get(message.arg0)
+                    if event is not None:
+                        event.set()
+        except TransportError as exc:
+            error = exc if not isinstance(exc, TransferTimeout) else PeerDied(str(exc))
+        except OSError as exc:
+            error = PeerDied(f"shm control connection failed: {exc}")
+        self._die(PeerDied(f"shm sink went away: {error}"))
+
+    def _die(self, error: TransportError) -> None:
+        with self.cond:
+            if self.dead is None:
+                self.dead = error
+            acks, self.acks = self.acks, {}
+            events = list(self.mapped.values())
+            self.cond.notify_all()
+        for future in acks.values():
+            with contextlib.suppress(Exception):
+                future.set_exception(error)
+        for event in events:
+            event.set()
+        with contextlib.suppress(OSError):
+            self.sock.close()
+        self.source.forget(self)
+
+    def free(self, segment_id: int) -> None:
+        with self.cond:
+            segment = self.segments.get(segment_id)
+            if segment is not None:
+                segment.busy = False
+                self.cond.notify_all()
+
+    def expect_ack(self, request_id: int) -> Future[framing.Control]:
+        future: Future[framing.Control] = Future()
+        with self.cond:
+            if self.dead is not None:
+                raise self.dead
+            self.acks[request_id] = future
+        return future
+
+    def acquire(self, nbytes: int) -> _Segment:
+        deadline = time.monotonic() + self.source.io_timeout
+        with self.cond:
+            while True:
+                if self.dead is not None:
+                    raise self.dead
+                free = [s for s in self.segments.values() if not s.busy and s.size >= nbytes]
+                if free:
+                    segment = min(free, key=lambda s: s.size)
+                    segment.busy = True
+                    return segment
+                idle = [s for s in self.segments.values() if not s.busy]
+                if len(self.segments) - len(idle) < self.source.max_segments:
+                    for small in idle:  # too small: drop it, a bigger one replaces it
+                        del self.segments[small.id]
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ResourceExhausted(
+                        f"all {self.source.max_segments} shm segments are loaned out; the "
+                        "receiver must release() received KV"
+                    )
+                self.cond.wait(left)
+        segment = self._create(nbytes)
+        with self.cond:
+            self.segments[segment.id] = segment
+        return segment
+
+    def _create(self, nbytes: int) -> _Segment:
+        segment_id = next(self._next_segment)
+        name = f"{SEGMENT_PREFIX}{os.getpid()}-{self.id}-{segment_id}"
+        path = self.source.segment_dir / name
+        event = threading.Event()
+        with self.cond:
+            self.mapped[segment_id] = event
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            try:
+                os.posix_fallocate(fd, 0, nbytes)
+            except OSError as exc:
+                raise ResourceExhausted(f"cannot reserve {nbytes} bytes in shm: {exc}") from exc
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            mapping = mmap.mmap(fd, nbytes, flags=flags)
+            self.control(
+                framing.ControlKind.SEGMENT,
+                arg0=segment_id,
+                arg1=nbytes,
+                text=name,  # type: ignore[arg-type]
+            )
+            if not event.wait(self.source.io_timeout) or self.dead is not None:
+                mapping.close()
+                raise self.dead or TransferTimeout("shm sink did not map the segment in time")
+        finally:
+            os.close(fd)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            with self.cond:
+                self.mapped.pop(segment_id, None)
+        return _Segment(segment_id, nbytes, mapping, memoryview(mapping), busy=True)
+
+    def close(self) -> None:
+        self._die(PeerDied("shm source closed"))
+
+
+_FINISH = object()
+
+
+class _ShmOutgoing(OutgoingTransfer):
+    def __init__(self, conn: _Connection, descriptor: TransferDescriptor) -> None:
+        self.descriptor = descriptor
+        self._conn = conn
+        self._queue: queue.SimpleQueue[LayerItem | object] = queue.SimpleQueue()
+        self._future: Future[TransferResult] = Future()
+        self._future.set_running_or_notify_cancel()
+        self._cancelled = threading.Event()
+        self._lock = threading.Lock()
+        self._queued: set[int] = set()
+        self._finished = False
+        self._started = time.perf_counter()
+        threading.Thread(target=self._run, name="shm-send", daemon=True).start()
+
+    def send_layer(
+        self, layer: int, tensors: Sequence[Buffer], crcs: Sequence[int] | None = None
+    ) -> None:
+        item = check_layer(self.descriptor, layer, tensors, crcs)
+        with self._lock:
+            if self._finished:
+                raise TransportError("send_layer() after finish()")
+            if layer in self._queued:
+                raise FrameRejected(f"layer {layer} queued twice")
+            self._queued.add(layer)
+        self._queue.put(item)
+
+    def finish(self) -> Future[TransferResult]:
+        with self._lock:
+            if not self._finished:
+                self._finished = True
+                missing = self.descriptor.layout.num_layers - len(self._queued)
+                if missing:
+                    self._fail(FrameRejected(f"finish() with {missing} layers not sent"))
+                self._queue.put(_FINISH)
+        return self._future
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+        self._fail(TransferCancelled(f"request {self.descriptor.request_id} cancelled"))
+        self._queue.put(_FINISH)
+
+    def _fail(self, error: BaseException) -> None:
+        with contextlib.suppress(Exception):
+            if not self._future.done():
+                self._future.set_exception(error)
+
+    def _run(self) -> None:
+        conn = self._conn
+        rid = self.descriptor.request_id
+        layout = self.descriptor.layout
+        segment: _Segment | None = None
+        loaned = False
+        try:
+            segment = conn.acquire(layout.total_bytes)
+            ack = conn.expect_ack(rid)
+            conn.send(framing.encode_transfer_header(self.descriptor))
+            conn.control(framing.ControlKind.USE_SEGMENT, rid, arg0=segment.id)
+            while True:
+                item = self._queue.get()
+                if item is _FINISH or self._cancelled.is_set() or self._future.done():
+                    break
+                assert isinstance(item, LayerItem)
+                base = item.layer * layout.layer_bytes
+                crcs: list[int] = []
+                for index, tensor in enumerate(item.tensors):
+                    start = base + index * layout.tensor_bytes
+                    dst = segment.view[start : start + layout.tensor_bytes]
+                    if item.crcs is None:
+                        crcs.append(copy_with_crc(dst, tensor))
+                    else:
+                        dst[:] = tensor
+                if item.crcs is not None:
+                    crcs = list(item.crcs)
+                conn.send(framing.encode_layer_header(self.descriptor, item.layer, tuple(crcs)))
+            if self._future.done():
+                conn.control(framing.ControlKind.CANCEL, rid)
+                return
+            conn.control(framing.ControlKind.DONE, rid)
+            try:
+                reply = ack.result(conn.source.ack_timeout)
+            except TimeoutError as exc:
+                raise TransferTimeout(f"no ack for request {rid} within the timeout") from exc
+            if reply.status != framing.ControlStatus.OK:
+                raise error_from_ack(reply)
+            loaned = True
+            seconds = time.perf_counter() - self._started
+            with contextlib.suppress(Exception):
+                self._future.set_result(
+                    TransferResult(
+                        request_id=rid,
+                        transport="shm",
+                        mode=ShmSource.mode,
+                        size_bytes=layout.total_bytes,
+                        seconds=seconds,
+                        checksum_verified=True,
+                        wall_seconds=seconds,
+                    )
+                )
+        except TransportError as exc:
+            self._fail(exc)
+        except OSError as exc:
+            self._fail(PeerDied(f"shm transfer failed: {exc}"))
+        finally:
+            with conn.cond:
+                conn.acks.pop(rid, None)
+            if segment is not None and not loaned:
+                conn.free(segment.id)
+
+
+class ShmSource(TransferSource):
+    """Sends KV to :class:`ShmSink` instances on the same host."""
+
+    name = "shm"
+    mode = TransportMode.PCIE  # the same-node path class; host memory is the medium here
+
+    def __init__(
+        self,
+        secret: bytes,
+        *,
+        connect_timeout: float = 5.0,
+        io_timeout: float = 30.0,
+        ack_timeout: float = 30.0,
+        max_segments: int = 8,
+        segment_dir: Path = SEGMENT_DIR,
+    ) -> None:
+        if not segment_dir.is_dir():
+            raise TransportUnavailable(f"shared-memory directory {segment_dir} does not exist")
+        self.secret = secret
+        self.connect_timeout = connect_timeout
+        self.io_timeout = io_timeout
+        self.ack_timeout = ack_timeout
+        self.max_segments = max_segments
+        self.segment_dir = segment_dir
+        self._conns: dict[str, _Connection] = {}
+        self._lock = threading.Lock()
+        sweep_stale_segments(segment_dir)
+
+    def _connection(self, destination: str) -> _Connection:
+        path = parse_shm_address(destination)
+        with self._lock:
+            conn = self._conns.get(path)
+            if conn is None or conn.dead is not None:
+                conn = _Connection(self, path)
+                self._conns[path] = conn
+            return conn
+
+    def forget(self, conn: _Connection) -> None:
+        with self._lock:
+            for path, known in list(self._conns.items()):
+                if known is conn:
+                    del self._conns[path]
+
+    def open(self, descriptor: TransferDescriptor, destination: str) -> OutgoingTransfer:
+        return _ShmOutgoing(self._connection(destination), descriptor)
+
+    def close(self) -> None:
+        with self._lock:
+            conns = list(self._conns.values())
+        for conn in conns:
+            conn.close()
+
+
+# -- receiver --------------------------------------------------------------------------------
+
+
+@dataclass
+class _Incoming:
+    descriptor: TransferDescriptor
+    layers: list[LayerTensors] = field(default_factory=list)
+    segment: int = 0
+    arrived: set[int] = field(default_factory=set)
+    error: TransportError | None = None
+
+
+class ShmSink(TransferSink):
+    """Receives KV in place from :class:`ShmSource` senders on this host."""
+
+    name = "shm"
+    mode = TransportMode.PCIE
+
+    def __init__(
+        self,
+        secret: bytes,
+        socket_path: str | None = None,
+        *,
+        on_layer: LayerCallback | None = None,
+        limits: framing.ReceiveLimits | None = None,
+        io_timeout: float = 30.0,
+        handshake_timeout: float = 5.0,
+        verify: bool = True,
+        segment_dir: Path = SEGMENT_DIR,
+    ) -> None:
+        self._secret = secret
+        self._on_layer = on_layer
+        self._limits = limits or framing.ReceiveLimits()
+        self._io_timeout = io_timeout
+        self._handshake_timeout = handshake_timeout
+        self._verify = verify
+        self._segment_dir = segment_dir
+        self._table = ReceiveTable()
+        self._tmpdir: str | None = None
+        if socket_path is None:
+            self._tmpdir = tempfile.mkdtemp(prefix="topkv-shm-sink-")
+            socket_path = os.path.join(self._tmpdir, "sink.sock")
+        self._path = socket_path
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(socket_path)
+        os.chmod(socket_path, 0o600)
+        self._listener.listen(64)
+        self._closed = threading.Event()
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        sweep_stale_segments(segment_dir)
+        threading.Thread(target=self._accept_loop, name="shm-accept", daemon=True).start()
+
+    @property
+    def address(self) -> str:
+        return f"shm://{self._path}"
+
+    def receive(self, request_id: int) -> Future[ReceivedKV]:
+        return self._table.receive(request_id)
+
+    def close(self) -> None:
+        self._closed.set()
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+        with self._lock:
+            conns = list(self._conns)
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+        self._table.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._path)
+        if self._tmpdir is not None:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+
+    def _accept_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), name="shm-conn", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with self._lock:
+            self._conns.add(conn)
+        session = _SinkSession(self, conn)
+        try:
+            conn.settimeout(self._handshake_timeout)
+            try:
+                server_handshake(conn, self._secret)
+            except (AuthenticationFailed, TransportError) as exc:
+                log.warning("shm sink: refused a connection: %s", exc)
+                return
+            session.run()
+        finally:
+            session.end()
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+
+class _SinkSession:
+    """Receiver side of one control connection."""
+
+    def __init__(self, sink: ShmSink, conn: socket.socket) -> None:
+        self.sink = sink
+        self.conn = conn
+        self.send_lock = threading.Lock()
+        self.segments: dict[int, memoryview] = {}
+        self.announced: list[str] = []
+        self.transfers: dict[int, _Incoming] = {}
+        self.alive = True
+
+    def send_control(self, control: framing.Control) -> None:
+        with self.send_lock:
+            if self.alive:
+                with contextlib.suppress(TransportError, OSError):
+                    send_buffers(self.conn, [framing.encode_control(control)])
+
+    def run(self) -> None:
+        sink = self.sink
+        try:
+            while not sink._closed.is_set():
+                self.conn.settimeout(sink._io_timeout if self.transfers else None)
+                message = read_message(self.conn, sink._limits)
+                if isinstance(message, TransferMessage):
+                    self._open(message)
+                elif isinstance(message, LayerMessage):
+                    self._layer(message)
+                else:
+                    self._control(message)
+        except (PeerDied, TransferTimeout, FrameRejected) as exc:
+            error = type(exc)(f"shm sender: {exc}")
+            for state in self.transfers.values():
+                got, total = len(state.arrived), state.descriptor.layout.num_layers
+                sink._table.fail(
+                    state.descriptor.request_id,
+                    type(exc)(
+                        f"request {state.descriptor.request_id}: {error} "
+                        f"(after {got}/{total} layers)"
+                    ),
+                )
+            self.transfers.clear()
+        except OSError as exc:
+            for rid in list(self.transfers):
+                sink._table.fail(rid, PeerDied(f"shm control connection failed: {exc}"))
+            self.transfers.clear()
+
+    def end(self) -> None:
+        self.alive = False
+        for name in self.announced:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.sink._segment_dir / name)
+        sweep_stale_segments(self.sink._segment_dir)
+
+    def _open(self, message: TransferMessage) -> None:
+        rid = message.descriptor.request_id
+        if message.streams != 1:
+            raise FrameRejected("shm transfers use one stream")
+        if rid in self.transfers:
+            raise FrameRejected(f"request {rid} opened twice")
+        try:
+            self.sink._table.claimable(rid)
+        except ResourceExhausted as exc:
+            self.send_control(
+                framing.Control(framing.ControlKind.ACK, rid, status_for(exc), text=str(exc))
+            )
+            raise FrameRejected(str(exc)) from exc
+        self.transfers[rid] = _Incoming(message.descriptor)
+
+    def _state(self, rid: int) -> _Incoming:
+        state = self.transfers.get(rid)
+        if state is None:
+            raise FrameRejected(f"record for request {rid}, which is not open")
+        return state
+
+    def _layer(self, message: LayerMessage) -> None:
+        # The layer header names its request by key; find the open transfer it belongs to.
+        state = self._match(message.raw)
+        header = framing.decode_layer_header(message.raw, state.descriptor)
+        if not state.layers:
+            raise FrameRejected(f"request {header.request_id}: layer before USE_SEGMENT")
+        if header.layer in state.arrived:
+            raise FrameRejected(f"request {header.request_id}: layer {header.layer} sent twice")
+        state.arrived.add(header.layer)
+        views = state.layers[header.layer]
+        if state.error is None and self.sink._verify:
+            for index, (view, crc) in enumerate(zip(views, header.crcs, strict=True)):
+                if framing.crc64(view) != crc:
+                    state.error = ChecksumMismatch(
+                        f"request {header.request_id} layer {header.layer} tensor {index}: "
+                        "CRC-64 mismatch"
+                    )
+        if state.error is None and self.sink._on_layer is not None:
+            try:
+                self.sink._on_layer(state.descriptor, header.layer, views)
+            except Exception as exc:
+                state.error = TransportError(f"on_layer callback raised: {exc!r}")
+
+    def _match(self, raw: bytes) -> _Incoming:
+        if len(self.transfers) == 1:
+            return next(iter(self.transfers.values()))
+        from topkv import wire
+
+        key = bytes(raw[16:32])
+        for state in self.transfers.values():
+            if wire.request_key(str(state.descriptor.request_id)) == key:
+                return state
+        raise FrameRejected("layer frame for a request that is not open")
+
+    def _control(self, control: framing.Control) -> None:
+        kind = control.kind
+        if kind == framing.ControlKind.SEGMENT:
+            self._map(control)
+        elif kind == framing.ControlKind.USE_SEGMENT:
+            state = self._state(control.request_id)
+            segment = self.segments.get(control.arg0)
+            total = state.descriptor.layout.total_bytes
+            if segment is None or len(segment) < total:
+                raise FrameRejected(f"request {control.request_id}: bad segment {control.arg0}")
+            state.segment = control.arg0
+            state.layers = carve_layers(segment[:total], state.descriptor)
+        elif kind == framing.ControlKind.DONE:
+            self._done(self._state(control.request_id))
+        elif kind == framing.ControlKind.CANCEL:
+            if self.transfers.pop(control.request_id, None) is not None:
+                self.sink._table.fail(
+                    control.request_id, TransferCancelled(f"sender cancelled {control.request_id}")
+                )
+        else:
+            raise FrameRejected(f"unexpected control record {kind.name} from an shm sender")
+
+    def _map(self, control: framing.Control) -> None:
+        name = control.text
+        if not _SEGMENT_NAME.match(name):
+            raise FrameRejected(f"refusing to map {name!r}: not a TopKV segment name")
+        if control.arg1 > self.sink._limits.max_transfer_bytes:
+            raise FrameRejected(
+                f"segment of {control.arg1} bytes exceeds the limit "
+                f"{self.sink._limits.max_transfer_bytes}"
+            )
+        self.announced.append(name)
+        path = self.sink._segment_dir / name
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError as exc:
+            raise FrameRejected(f"cannot open announced segment {name}: {exc}") from exc
+        try:
+            if os.fstat(fd).st_size != control.arg1:
+                raise FrameRejected(f"segment {name} is not {control.arg1} bytes")
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            mapping = mmap.mmap(fd, control.arg1, flags=flags, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        self.segments[control.arg0] = memoryview(mapping)
+        self.send_control(framing.Control(framing.ControlKind.SEGMENT_MAPPED, arg0=control.arg0))
+
+    def _done(self, state: _Incoming) -> None:
+        rid = state.descriptor.request_id
+        del self.transfers[rid]
+        missing = state.descriptor.layout.num_layers - len(state.arrived)
+        if state.error is None and missing:
+            state.error = FrameRejected(f"request {rid}: {missing} layers never arrived")
+        if state.error is not None:
+            self.send_control(
+                framing.Control(
+                    framing.ControlKind.ACK, rid, status_for(state.error), text=str(state.error)
+                )
+            )
+            self.sink._table.fail(rid, state.error)
+            return
+        segment_id = state.segment
+
+        def release() -> None:
+            self.send_control(framing.Control(framing.ControlKind.RELEASE, arg0=segment_id))
+
+        self.send_control(framing.Control(framing.ControlKind.ACK, rid))
+        self.sink._table.complete(
+            ReceivedKV(state.descriptor, state.layers, self.sink._verify, release)
+        )
