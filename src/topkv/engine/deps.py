@@ -11,8 +11,14 @@ INSTALL_HINT = "pip install 'topkv[model]'"
 
 
 def model_extra_available() -> bool:
-    """True when both torch and transformers can be imported."""
-    return all(importlib.util.find_spec(name) is not None for name in ("torch", "transformers"))
+    """True when both torch and transformers are installed (without importing them)."""
+    for name in ("torch", "transformers"):
+        try:
+            if importlib.util.find_spec(name) is None:
+                return False
+        except (ImportError, ValueError):  # ValueError: module set to None in sys.modules
+            return False
+    return True
 
 
 def require_model_extra() -> None:

@@ -40,9 +40,10 @@ def wire_to_hf(wire: KVArray) -> torch.Tensor:
             f"expected a [seq, kv_heads, head_dim] tensor, got shape {tuple(wire.shape)}"
         )
     if isinstance(wire, np.ndarray):
-        # The transpose copy yields a fresh writable array, so torch.from_numpy shares it
-        # without copying again (and without the read-only warning for frombuffer views).
-        return torch.from_numpy(np.ascontiguousarray(wire.transpose(1, 0, 2)))[None]
+        # Always one copy into a fresh writable array (also when the transpose happens to be
+        # contiguous, e.g. seq_len 1), so torch.from_numpy shares it without the read-only
+        # warning that views of received bytes would raise.
+        return torch.from_numpy(np.array(wire.transpose(1, 0, 2), order="C", copy=True))[None]
     return wire.permute(1, 0, 2).unsqueeze(0).contiguous()
 
 
