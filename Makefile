@@ -14,7 +14,8 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: install
-	$(BIN)/topkv demo
+	$(BIN)/topkv plan --model llama-3-70b --seq-len 4096
+	$(BIN)/topkv models
 
 test: install
 	$(BIN)/ruff check src tests benchmarks
