@@ -75,7 +75,8 @@ def test_pair_from_facts_lists_paths_per_fact() -> None:
     same = pair_view_from_facts(a, b, same_nvlink_domain=True, rdma_available=True)
     assert same.same_node
     assert same.transports == ("nvlink", "pcie", "rdma", "tcp")
-    assert same.paths_for("rdma")[0].links == ("n0:nic0",)  # NIC loopback: one link
+    # NIC loopback: one NIC, then both GPUs' PCIe ports
+    assert same.paths_for("rdma")[0].links == ("n0:nic0", "n0/GPU0:pcie", "n0/GPU1:pcie")
     assert same.paths_for("nvlink")[0].links == ("n0/GPU0:nvlink", "n0/GPU1:nvlink")
     remote = pair_view_from_facts(
         a,
@@ -86,7 +87,7 @@ def test_pair_from_facts_lists_paths_per_fact() -> None:
         dst_nics=("mlx5_0",),
     )
     assert remote.transports == ("rdma", "tcp")
-    assert [p.links for p in remote.paths_for("rdma")] == [
+    assert [p.links[:2] for p in remote.paths_for("rdma")] == [
         ("n0:mlx5_0", "n1:mlx5_0"),
         ("n0:mlx5_1", "n1:mlx5_0"),
     ]

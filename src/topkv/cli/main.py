@@ -18,6 +18,8 @@ from topkv.errors import TopKVError
 COMMAND_MODULES: list[str] = [
     # one entry per module in topkv.cli, e.g. "plan"
     "plan",
+    "select",
+    "sim",
 ]
 
 _typer_app = typer.Typer(

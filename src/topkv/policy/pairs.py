@@ -7,6 +7,9 @@ produces from a discovered cluster. Link ids name the shared resources a path oc
 * ``<node>/GPU<i>:nvlink`` and ``<node>/GPU<i>:pcie``: a GPU's NVLink and PCIe ports;
 * ``<node>:<nic>``: an RDMA NIC (``mlx5_0``, ``nic0``);
 * ``<node>:tcp``: the node's TCP/IP networking.
+
+RDMA and TCP paths list their NICs (or host networking) first, then both GPUs' PCIe ports,
+which every path but NVLink crosses.
 """
 
 from __future__ import annotations
@@ -75,14 +78,17 @@ def pair_view_from_facts(
         candidates.append(
             path(nvlink_transport, [gpu_port(src, "nvlink"), gpu_port(dst, "nvlink")])
         )
+    pcie_ports = [gpu_port(src, "pcie"), gpu_port(dst, "pcie")]
     if same_node:
-        candidates.append(path("pcie", [gpu_port(src, "pcie"), gpu_port(dst, "pcie")]))
+        candidates.append(path("pcie", pcie_ports))
     if rdma_available:
         for i, nic in enumerate(src_nics):
             peer = dst_nics[i % len(dst_nics)]
-            candidates.append(path("rdma", [nic_port(src.node, nic), nic_port(dst.node, peer)]))
+            nics = [nic_port(src.node, nic), nic_port(dst.node, peer)]
+            candidates.append(path("rdma", nics + pcie_ports))
     if tcp_available:
-        candidates.append(path("tcp", [host_network(src.node), host_network(dst.node)]))
+        hosts = [host_network(src.node), host_network(dst.node)]
+        candidates.append(path("tcp", hosts + pcie_ports))
     return PairView(
         src=src,
         dst=dst,
