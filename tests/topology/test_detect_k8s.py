@@ -264,3 +264,18 @@ def test_fuzz_arbitrary_text(text: str) -> None:
 @given(mutated_fixture())
 def test_fuzz_mutated_fixtures(text: str) -> None:
     _only_parse_errors(text)
+
+
+def test_go_map_and_indented_describe_paste() -> None:
+    assert parse_node_labels("map[kubernetes.io/arch:amd64 nvidia.com/gpu.count:8]\n") == [
+        K8sNode("", {"kubernetes.io/arch": "amd64", "nvidia.com/gpu.count": "8"})
+    ]
+    text = (
+        "    Name:               n1\n    Roles:              <none>\n"
+        "    Labels:             nvidia.com/gpu.count=2\n"
+        "                        nvidia.com/gpu.product=NVIDIA-L40S\n"
+        "    Annotations:        x: y\n"
+    )
+    assert parse_node_labels(text) == [
+        K8sNode("n1", {"nvidia.com/gpu.count": "2", "nvidia.com/gpu.product": "NVIDIA-L40S"})
+    ]

@@ -8,7 +8,8 @@
 - ``kubectl describe node(s)`` (``Name:`` and the ``Labels:`` block with its continuation
   lines), also excerpts that lost the ``Labels:`` header;
 - ``kubectl get nodes --show-labels`` (a table whose last column is ``k=v,k=v``);
-- plain ``key=value`` or ``key: value`` lines, e.g. from ``grep``.
+- plain ``key=value`` or ``key: value`` lines, e.g. from ``grep`` or ``kubectl label --list``;
+- old kubectl's jsonpath map printing ``map[key:value key:value]``.
 
 Nodes whose name is not in the text get ``name=""``. Empty input yields ``[]`` (as does a
 List with no items); non-empty text without any label raises :class:`ParseError`.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import json
 import re
+import textwrap
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +31,7 @@ import yaml
 from topkv.topology.detect.errors import ParseError
 
 TOPKV_LABEL_PREFIX = "topkv.io/"
-_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07")
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07|\x1b[()][0-9A-Za-z]")
 _DNS_LABEL = r"[a-z0-9](?:[-a-z0-9]*[a-z0-9])?"
 _LABEL_KEY = re.compile(
     rf"(?:{_DNS_LABEL}(?:\.{_DNS_LABEL})*/)?[A-Za-z0-9](?:[-A-Za-z0-9_.]*[A-Za-z0-9])?"
@@ -237,11 +239,28 @@ def _scan_lines(text: str) -> list[K8sNode]:
     return [node.build() for node in nodes]
 
 
+_GO_MAP = re.compile(r"map\[(.*)\]", re.DOTALL)
+
+
+def _go_map_labels(body: str) -> dict[str, str]:
+    """Old kubectl jsonpath printing of a map: ``map[a/b:c d:e]``."""
+    labels: dict[str, str] = {}
+    for item in body.split():
+        key, sep, value = item.partition(":")
+        if not sep or not is_label_key(key):
+            raise ParseError(f"kubectl node labels: {item[:40]!r} in map[...] is not key:value")
+        labels[key] = value
+    return labels
+
+
 def parse_node_labels(text: str) -> list[K8sNode]:
     """Nodes and their labels from any of the kubectl outputs listed in the module doc."""
     text = _ANSI.sub("", text).replace("\r\n", "\n").replace("\r", "\n")
     if not text.strip():
         return []
+    text = textwrap.dedent(text)  # a whole paste indented (e.g. inside a Markdown list)
+    if go_map := _GO_MAP.fullmatch(text.strip()):
+        return [K8sNode(name="", labels=_go_map_labels(go_map.group(1)))]
     looks_described = re.search(r"(?m)^(Labels|Name):", text) is not None
     looks_table = re.search(r"(?m)^NAME\s+.*\bLABELS\s*$", text) is not None
     if not looks_described and not looks_table:

@@ -15,7 +15,7 @@ from typing import Any
 
 from topkv.topology.detect.errors import ParseError
 
-_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07")
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07|\x1b[()][0-9A-Za-z]")
 MAX_CPU_ID = 65535  # well above the kernel's NR_CPUS limit (8192); guards absurd ranges
 
 
@@ -28,8 +28,8 @@ def parse_cpu_list(text: str) -> tuple[int, ...]:
     """CPU ids of a kernel CPU list: ``"0-3,8,10-11"`` -> ``(0, 1, 2, 3, 8, 10, 11)``.
 
     Commas and/or whitespace separate items (so numactl's ``"0 1 2"`` works too); the
-    kernel's group form ``"0-15:2/4"`` (first 2 of every 4) is accepted. Empty text gives ``()``. The result is
-    sorted and without duplicates.
+    kernel's group form ``"0-15:2/4"`` (first 2 of every 4) is accepted. Empty text gives
+    ``()``. The result is sorted and without duplicates.
     """
     cpus: set[int] = set()
     for item in re.split(r"[,\s]+", text.strip()):

@@ -48,7 +48,7 @@ class RdmaPort:
     ca_type: str | None = None
 
 
-_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07")
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07|\x1b[()][0-9A-Za-z]")
 _NO_DEVICES = re.compile(r"no (?:ib|rdma|infiniband)? ?devices? (?:were )?found", re.IGNORECASE)
 _MAX_PORT = 1 << 16
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from topkv.topology.detect.errors import ParseError
 
-_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07")
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07|\x1b[()][0-9A-Za-z]")
 _BANNER = re.compile(r"^\s*=+\s*(.*?)\s*=+\s*$")
 _MATRIX_HEADER = re.compile(r"^\s*((?:GPU\s*\[?\d+\]?\s*)+)$", re.IGNORECASE)
 _MATRIX_ROW = re.compile(r"^\s*GPU\s*\[?(\d+)\]?\s+(.*)$", re.IGNORECASE)
