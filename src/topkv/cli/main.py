@@ -20,6 +20,7 @@ COMMAND_MODULES: list[str] = [
     "plan",
     "select",
     "sim",
+    "bench",
 ]
 
 _typer_app = typer.Typer(
