@@ -1,0 +1,212 @@
+"""Outputs of a simulation: the ``--json`` document, a summary table, PNG plots and HTML."""
+
+from __future__ import annotations
+
+import html
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import numpy as np
+from rich.table import Table
+
+from topkv.sim.runner import PolicyResult
+
+
+@dataclass
+class SimReport:
+    """All policy results of one ``topkv sim`` run."""
+
+    trace: str
+    cluster: str
+    model: str
+    requests: int
+    results: list[PolicyResult]
+    wall_seconds: float
+
+    @property
+    def sim_seconds(self) -> float:
+        return max((r.sim_seconds for r in self.results), default=0.0)
+
+    @property
+    def speed_x_realtime(self) -> float:
+        """Simulated seconds per wall-clock second, over all policy runs."""
+        simulated = sum(r.sim_seconds for r in self.results)
+        return simulated / self.wall_seconds if self.wall_seconds > 0 else 0.0
+
+    def to_json(self) -> dict[str, object]:
+        main = {r.policy: r.summary() for r in self.results if r.pipelining}
+        doc: dict[str, object] = {
+            "requests": self.requests,
+            "sim_seconds": self.sim_seconds,
+            "wall_seconds": self.wall_seconds,
+            "speed_x_realtime": self.speed_x_realtime,
+            "policies": main,
+        }
+        unpiped = {r.policy: r.summary() for r in self.results if not r.pipelining}
+        if unpiped and main:
+            doc["policies_without_pipelining"] = unpiped
+        elif unpiped:
+            doc["policies"] = unpiped
+        return doc
+
+    def table(self) -> Table:
+        table = Table(title=f"{self.model} on {self.cluster}: {self.trace}")
+        for col in (
+            "policy",
+            "pipelining",
+            "TTFT p50",
+            "TTFT p90",
+            "TTFT p99",
+            "TPOT p50",
+            "E2E p50",
+            "goodput",
+            "exposed xfer p50",
+            "KV share of TTFT",
+            "transports",
+        ):
+            table.add_column(col, justify="left" if col in ("policy", "transports") else "right")
+        for r in self.results:
+            d = r.details()
+            counts = d["count_by_transport"]
+            assert isinstance(counts, dict)
+            table.add_row(
+                r.policy,
+                "on" if r.pipelining else "off",
+                _ms(d["ttft_p50_ms"]),
+                _ms(d["ttft_p90_ms"]),
+                _ms(d["ttft_p99_ms"]),
+                _ms(d["tpot_p50_ms"]),
+                _ms(d["e2e_p50_ms"]),
+                f"{r.goodput_rps:.2f} rps",
+                _ms(d["exposed_transfer_p50_ms"]),
+                f"{r.kv_share_of_ttft:.1%}",
+                " ".join(f"{k}:{v}" for k, v in counts.items()),
+            )
+        return table
+
+    def write(self, directory: Path, top_links: int = 8) -> list[Path]:
+        """Write ``ttft_cdf.png``, ``link_utilization.png``, ``summary.json``, ``index.html``."""
+        directory.mkdir(parents=True, exist_ok=True)
+        written = [
+            self._ttft_cdf(directory / "ttft_cdf.png"),
+            self._utilization(directory / "link_utilization.png", top_links),
+        ]
+        summary = directory / "summary.json"
+        doc = self.to_json()
+        doc["details"] = {
+            f"{r.policy}/{'pipe' if r.pipelining else 'nopipe'}": r.details() for r in self.results
+        }
+        summary.write_text(json.dumps(doc, indent=2), encoding="utf-8")
+        written.append(summary)
+        page = directory / "index.html"
+        page.write_text(self._html(doc), encoding="utf-8")
+        written.append(page)
+        return written
+
+    def _label(self, r: PolicyResult) -> str:
+        return f"{r.policy} ({'pipelined' if r.pipelining else 'not pipelined'})"
+
+    def _ttft_cdf(self, path: Path) -> Path:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for r in self.results:
+            values = np.sort(r.ttft_s) * 1e3
+            if values.size:
+                ax.plot(values, np.arange(1, values.size + 1) / values.size, label=self._label(r))
+        ax.set_xscale("log")
+        ax.set_xlabel("TTFT (ms)")
+        ax.set_ylabel("fraction of requests")
+        ax.set_title(f"TTFT CDF: {self.model} on {self.cluster}")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return path
+
+    def _utilization(self, path: Path, top: int) -> Path:
+        n = len(self.results)
+        fig, axes = plt.subplots(n, 1, figsize=(8, 2.6 * n), squeeze=False, sharex=True)
+        for ax, r in zip(axes[:, 0], self.results, strict=True):
+            busiest = sorted(r.utilization, key=lambda s: -sum(s.utilization))[:top]
+            for series in busiest:
+                if not any(series.utilization):
+                    continue
+                t = np.arange(len(series.utilization)) * series.bin_s
+                ax.plot(t, series.utilization, label=f"{series.link} ({series.kind})", lw=0.8)
+            ax.set_ylim(0, 1.05)
+            ax.set_ylabel("utilization")
+            ax.set_title(f"busiest links: {self._label(r)}", fontsize=9)
+            if ax.lines:
+                ax.legend(fontsize=6, loc="upper right")
+        axes[-1, 0].set_xlabel("simulated time (s)")
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return path
+
+    def _html(self, doc: dict[str, object]) -> str:
+        rows = []
+        for r in self.results:
+            d = r.details()
+            rows.append(
+                "<tr>"
+                + "".join(
+                    f"<td>{html.escape(str(v))}</td>"
+                    for v in (
+                        r.policy,
+                        "on" if r.pipelining else "off",
+                        _ms(d["ttft_p50_ms"]),
+                        _ms(d["ttft_p90_ms"]),
+                        _ms(d["ttft_p99_ms"]),
+                        _ms(d["tpot_p50_ms"]),
+                        _ms(d["e2e_p50_ms"]),
+                        f"{r.goodput_rps:.2f}",
+                        _ms(d["exposed_transfer_p50_ms"]),
+                        f"{r.kv_share_of_ttft:.1%}",
+                        d["count_by_transport"],
+                    )
+                )
+                + "</tr>"
+            )
+        head = "".join(
+            f"<th>{h}</th>"
+            for h in (
+                "policy",
+                "pipelining",
+                "TTFT p50",
+                "TTFT p90",
+                "TTFT p99",
+                "TPOT p50",
+                "E2E p50",
+                "goodput (rps)",
+                "exposed transfer p50",
+                "KV share of TTFT",
+                "transfers",
+            )
+        )
+        title = html.escape(f"TopKV simulation: {self.model} on {self.cluster}")
+        return (
+            f"<!doctype html><html><head><meta charset='utf-8'><title>{title}</title>"
+            "<style>body{font-family:sans-serif;margin:2em}td,th{padding:4px 8px;"
+            "border-bottom:1px solid #ddd;text-align:right}</style></head><body>"
+            f"<h1>{title}</h1><p>trace: {html.escape(self.trace)}; {self.requests} requests; "
+            f"{self.sim_seconds:.0f} simulated s in {self.wall_seconds:.2f} wall s "
+            f"({self.speed_x_realtime:.0f}x real time). Simulated (emulated) figures, "
+            "not measurements.</p>"
+            f"<table><tr>{head}</tr>{''.join(rows)}</table>"
+            "<h2>TTFT CDF</h2><img src='ttft_cdf.png'>"
+            "<h2>Link utilization</h2><img src='link_utilization.png'>"
+            f"<h2>JSON</h2><pre>{html.escape(json.dumps(doc, indent=2))}</pre>"
+            "</body></html>"
+        )
+
+
+def _ms(value: object) -> str:
+    if not isinstance(value, float) or value != value:
+        return "-"
+    return f"{value:.1f} ms" if value >= 1 else f"{value * 1e3:.0f} us"

@@ -1,0 +1,600 @@
+"""One simulation: a workload through prefill pool -> KV transfer -> decode pool.
+
+Lifecycle of a request (times in simulated seconds):
+
+1. it arrives and joins the prefill pool's FIFO queue;
+2. an idle prefill instance takes the head of the queue and more requests while the batch
+   stays within ``max_prefill_tokens``; for each, the shared :class:`RoutingPolicy` picks a
+   decode instance (with room for the request's whole KV cache, reserved now) and the
+   shared transport selector (uniform RDMA, Algorithm 1 or the cost policy) picks the
+   transport; if no decode instance has room the queue waits (back-pressure);
+3. prefill takes the roofline time of the batch; with pipelining, each TP shard's
+   transfer starts when the first layer is done and is capped at the rate prefill produces
+   KV until prefill ends; without, it starts when prefill ends. Per-chunk setup latency is
+   charged as ``chunks * setup * bandwidth`` extra bytes, which reproduces
+   :func:`topkv.planner.pipeline.simulate_pipeline` exactly on an idle link;
+4. when every shard has arrived the first token is out (TTFT) and the request joins the
+   decode instance's continuous batch; decode advances all members together, one token per
+   step, the step time given by the roofline for the batch's size and cached tokens;
+5. it leaves after its last token; its KV memory is released.
+
+The prefill instance is free as soon as its compute ends (transfers are asynchronous).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from topkv.kv.spec import ModelSpec
+from topkv.policy.bandwidth import BandwidthEstimator
+from topkv.policy.route import DecodeWorkerView, RoutingPolicy
+from topkv.policy.select import TransportSelector, policy_from_name
+from topkv.policy.view import Endpoint, LinkLoad, PairView, PathCandidate, TransferRequest
+from topkv.sim.cluster import ClusterSpec, Instance, LinkMap, SimCluster, SimGPU
+from topkv.sim.compute import ComputeModel, default_tp, get_gpu
+from topkv.sim.engine import EventLoop, make_loop
+from topkv.sim.errors import SimError
+from topkv.sim.links import Flow, LinkNetwork, UtilizationSeries
+from topkv.sim.workload import Request, Workload
+
+POLICIES: tuple[str, ...] = ("uniform-rdma", "paper", "cost")
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Everything that defines a run except the workload and the policy."""
+
+    model: ModelSpec
+    cluster: ClusterSpec
+    tp: int | None = None
+    pd_ratio: tuple[int, int] = (1, 1)
+    pipelining: bool = True
+    slo_ttft_s: float = 2.0
+    slo_tpot_s: float = 0.1
+    max_prefill_tokens: int = 8192
+    max_decode_batch: int = 256
+    compute: ComputeModel | None = None
+    util_bin_s: float = 1.0
+    event_core: str = "heap"
+    remote_shortlist: int = 2
+
+    def compute_model(self, tp: int) -> ComputeModel:
+        if self.compute is not None:
+            return self.compute if self.compute.tp == tp else replace(self.compute, tp=tp)
+        gpus = {g.gpu for g in self.cluster.node_groups}
+        if len(gpus) != 1:
+            raise SimError(f"mixed GPU types {sorted(gpus)} are not supported in one cluster")
+        return ComputeModel(self.model, get_gpu(gpus.pop()), tp=tp)
+
+    def resolved_tp(self) -> int:
+        if self.tp is not None:
+            return self.tp
+        if self.compute is not None:
+            return self.compute.tp
+        gpu = get_gpu(self.cluster.node_groups[0].gpu)
+        return default_tp(self.model, gpu)
+
+
+class _Req:
+    __slots__ = (
+        "decode",
+        "e2e",
+        "exposed",
+        "finish",
+        "kv_bytes",
+        "mem",
+        "path",
+        "prefill_end",
+        "prefill_start",
+        "req",
+        "shards_left",
+        "transport",
+        "ttft",
+        "xfer_end",
+        "xfer_start",
+    )
+
+    def __init__(self, req: Request) -> None:
+        self.req = req
+        self.prefill_start = math.nan
+        self.prefill_end = math.nan
+        self.xfer_start = math.nan
+        self.xfer_end = math.nan
+        self.finish = math.nan
+        self.ttft = math.nan
+        self.e2e = math.nan
+        self.exposed = math.nan
+        self.transport = ""
+        self.kv_bytes = 0
+        self.shards_left = 0
+        self.mem = 0.0
+        self.path: PathCandidate | None = None
+        self.decode: _Decode | None = None
+
+
+class _Decode:
+    """A decode instance's continuous batch, advanced as a fluid in 'steps'."""
+
+    __slots__ = (
+        "capacity",
+        "inst",
+        "last_t",
+        "members",
+        "n",
+        "reserved",
+        "seq",
+        "step_s",
+        "steps",
+        "sum_input",
+        "sum_join",
+        "version",
+        "waiting",
+    )
+
+    def __init__(self, inst: Instance, capacity: float) -> None:
+        self.inst = inst
+        self.capacity = capacity
+        self.reserved = 0.0
+        self.steps = 0.0
+        self.last_t = 0.0
+        self.step_s = 0.0
+        self.members: list[tuple[float, int, _Req]] = []
+        self.n = 0
+        self.sum_input = 0.0
+        self.sum_join = 0.0
+        self.version = 0
+        self.seq = 0
+        self.waiting: deque[_Req] = deque()
+
+
+@dataclass
+class PolicyResult:
+    """Outcome of one policy's run."""
+
+    policy: str
+    pipelining: bool
+    completed: int
+    rejected: int
+    sim_seconds: float
+    wall_seconds: float
+    events: int
+    ttft_s: np.ndarray
+    tpot_s: np.ndarray
+    e2e_s: np.ndarray
+    exposed_transfer_s: np.ndarray
+    transfer_s: np.ndarray
+    good: int
+    bytes_by_transport: dict[str, int]
+    count_by_transport: dict[str, int]
+    utilization: list[UtilizationSeries] = field(default_factory=list)
+
+    def pct(self, values: np.ndarray, q: float) -> float:
+        return float(np.percentile(values, q)) if values.size else math.nan
+
+    @property
+    def goodput_rps(self) -> float:
+        return self.good / self.sim_seconds if self.sim_seconds > 0 else 0.0
+
+    @property
+    def kv_share_of_ttft(self) -> float:
+        """Mean exposed transfer time over mean TTFT."""
+        if not self.ttft_s.size or self.ttft_s.mean() <= 0:
+            return 0.0
+        return float(self.exposed_transfer_s.mean() / self.ttft_s.mean())
+
+    def summary(self) -> dict[str, object]:
+        """The per-policy keys of ``topkv sim --json``."""
+        ms = 1e3
+        return {
+            "ttft_p50_ms": self.pct(self.ttft_s, 50) * ms,
+            "ttft_p99_ms": self.pct(self.ttft_s, 99) * ms,
+            "tpot_p50_ms": self.pct(self.tpot_s, 50) * ms,
+            "goodput_rps": self.goodput_rps,
+            "transfer_ms_p50": self.pct(self.exposed_transfer_s, 50) * ms,
+            "bytes_by_transport": dict(sorted(self.bytes_by_transport.items())),
+        }
+
+    def details(self) -> dict[str, object]:
+        """Everything else a report shows (p90s, E2E, counts, KV share of TTFT)."""
+        ms = 1e3
+        out: dict[str, object] = {}
+        for name, arr in (
+            ("ttft", self.ttft_s),
+            ("tpot", self.tpot_s),
+            ("e2e", self.e2e_s),
+            ("exposed_transfer", self.exposed_transfer_s),
+            ("transfer", self.transfer_s),
+        ):
+            for q in (50, 90, 99):
+                out[f"{name}_p{q}_ms"] = self.pct(arr, q) * ms
+        out["kv_share_of_ttft"] = self.kv_share_of_ttft
+        out["count_by_transport"] = dict(sorted(self.count_by_transport.items()))
+        out["completed"] = self.completed
+        out["rejected"] = self.rejected
+        out["events"] = self.events
+        return out
+
+
+class Simulation:
+    """Runs one workload under one transport policy."""
+
+    def __init__(self, config: SimConfig, workload: Workload, policy: str) -> None:
+        self.config = config
+        self.workload = workload
+        self.policy_name = policy
+        self.tp = config.resolved_tp()
+        self.compute = config.compute_model(self.tp)
+        self.cluster = SimCluster.build(config.cluster, self.tp, config.pd_ratio)
+        self.loop: EventLoop = make_loop(config.event_core)
+        self.network = LinkNetwork(self.loop, config.util_bin_s)
+        self.links = LinkMap(self.cluster, self.network)
+        # Simulated time reaches the policies through the estimator's clock (the loop).
+        self.estimator = BandwidthEstimator(self.loop)
+        self.selector: TransportSelector = policy_from_name(policy, self.estimator)
+        self.router = RoutingPolicy()
+        self.layers = config.model.num_layers
+        self._gpu_by_ep: dict[Endpoint, SimGPU] = {g.endpoint: g for g in self.cluster.gpus}
+        self.queue: deque[_Req] = deque()
+        self.idle: list[Instance] = list(reversed(self.cluster.prefill))
+        cap = self.compute.kv_capacity_bytes
+        self.decodes = [_Decode(inst, cap) for inst in self.cluster.decode]
+        self._local, self._remote = self._partition_decodes()
+        self._kv_cache: dict[int, int] = {}
+        self.done: list[_Req] = []
+        self.rejected = 0
+        self._next_arrival = 0
+        self._requests = workload.requests
+
+    # -- setup -------------------------------------------------------------------------
+
+    def _partition_decodes(self) -> tuple[dict[int, list[_Decode]], dict[int, list[_Decode]]]:
+        local: dict[int, list[_Decode]] = {}
+        remote: dict[int, list[_Decode]] = {}
+        for p in self.cluster.prefill:
+            g = p.gpus[0]
+            near = [
+                d
+                for d in self.decodes
+                if d.inst.gpus[0].node == g.node
+                or (g.domain is not None and d.inst.gpus[0].domain == g.domain)
+            ]
+            local[p.iid] = near
+            remote[p.iid] = [d for d in self.decodes if d not in near]
+        return local, remote
+
+    def _kv(self, tokens: int) -> int:
+        nbytes = self._kv_cache.get(tokens)
+        if nbytes is None:
+            nbytes = self._kv_cache[tokens] = self.compute.kv_bytes(tokens)
+        return nbytes
+
+    # -- run ---------------------------------------------------------------------------
+
+    def run(self, progress: Callable[[int], None] | None = None) -> PolicyResult:
+        started = time.perf_counter()
+        if self._requests:
+            self.loop.call_at(self._requests[0].arrival_s, self._arrive)
+        if progress is None:
+            self.loop.run()
+        else:
+            horizon = self.workload.requests[-1].arrival_s if self._requests else 0.0
+            slices = 50
+            for k in range(1, slices + 1):
+                self.loop.run(until=horizon * k / slices)
+                progress(self._next_arrival)
+            self.loop.run()
+            progress(len(self._requests))
+        wall = time.perf_counter() - started
+        return self._result(wall)
+
+    def _arrive(self) -> None:
+        reqs = self._requests
+        i = self._next_arrival
+        self.queue.append(_Req(reqs[i]))
+        self._next_arrival = i + 1
+        if i + 1 < len(reqs):
+            self.loop.call_at(reqs[i + 1].arrival_s, self._arrive)
+        self._dispatch()
+
+    # -- prefill -----------------------------------------------------------------------
+
+    def _dispatch(self) -> None:
+        limit = self.config.max_prefill_tokens
+        while self.idle and self.queue:
+            inst = self.idle[-1]
+            batch: list[tuple[_Req, _Decode, PathCandidate, str]] = []
+            tokens = 0
+            while self.queue:
+                r = self.queue[0]
+                if batch and tokens + r.req.input_tokens > limit:
+                    break
+                need = float(self._kv(r.req.input_tokens + r.req.output_tokens))
+                if need > self.decodes[0].capacity:
+                    self.queue.popleft()
+                    self.rejected += 1
+                    continue
+                routed = self._route(inst, r, need)
+                if routed is None:
+                    break  # back-pressure: no decode instance has room
+                self.queue.popleft()
+                batch.append((r, *routed))
+                tokens += r.req.input_tokens
+            if not batch:
+                return
+            self.idle.pop()
+            self._start_prefill(inst, batch)
+
+    def _route(
+        self, inst: Instance, r: _Req, need: float
+    ) -> tuple[_Decode, PathCandidate, str] | None:
+        src = inst.gpus[0]
+        candidates = [d for d in self._local[inst.iid] if d.capacity - d.reserved >= need]
+        remote = [d for d in self._remote[inst.iid] if d.capacity - d.reserved >= need]
+        if len(remote) > self.config.remote_shortlist:
+            remote = heapq.nsmallest(self.config.remote_shortlist, remote, key=lambda d: d.reserved)
+        candidates.extend(remote)
+        if not candidates:
+            return None
+        by_id = {d.inst.name: d for d in candidates}
+        views = [
+            DecodeWorkerView(
+                worker_id=d.inst.name,
+                endpoint=d.inst.gpus[0].endpoint,
+                free_slots=int((d.capacity - d.reserved) // need),
+                load=d.reserved / d.capacity,
+            )
+            for d in candidates
+        ]
+        shard = self._kv(r.req.input_tokens) // self.tp
+        r.kv_bytes = shard * self.tp
+        chunks = self.layers if self.config.pipelining else 1
+        request = TransferRequest(nbytes=shard, chunks=chunks)
+        load = self._load_snapshot(src, candidates)
+        decision = self.router.choose_decode(
+            src.endpoint, views, self._pair_view, request, self.selector, load
+        )
+        if decision is None:
+            return None
+        target = by_id[decision.worker_id]
+        chosen = decision.selection.chosen
+        path = PathCandidate(chosen.transport, chosen.bandwidth_gbps, chosen.setup_s, chosen.links)
+        target.reserved += need
+        r.mem = need
+        r.decode = target
+        return target, path, decision.selection.choice
+
+    def _pair_view(self, src: Endpoint, dst: Endpoint) -> PairView:
+        return self.cluster.pair_view(self._gpu_by_ep[src], self._gpu_by_ep[dst])
+
+    def _load_snapshot(self, src: SimGPU, candidates: list[_Decode]) -> LinkLoad:
+        in_flight: dict[str, int] = {}
+        flows: dict[str, int] = {}
+        if self.network.active_flows == 0:
+            return LinkLoad()
+        now = self.loop.now()
+        for d in candidates:
+            view = self.cluster.pair_view(src, d.inst.gpus[0])
+            for cand in view.candidates:
+                for link_id, link in zip(cand.links, self.links.path(cand.links), strict=False):
+                    if link.flows and link_id not in flows:
+                        left = sum(
+                            max(0.0, f.remaining - f.rate * (now - f.last_t)) for f in link.flows
+                        )
+                        in_flight[link_id] = int(left)
+                        flows[link_id] = len(link.flows)
+        return LinkLoad(in_flight, flows)
+
+    def _start_prefill(
+        self, inst: Instance, batch: list[tuple[_Req, _Decode, PathCandidate, str]]
+    ) -> None:
+        now = self.loop.now()
+        duration = self.compute.prefill_s([r.req.input_tokens for r, *_ in batch])
+        end = now + duration
+        for r, _d, _path, _t in batch:
+            r.prefill_start = now
+            r.prefill_end = end
+        if self.config.pipelining:
+            first_layer = duration / self.layers
+            self.loop.call_at(now + first_layer, self._start_transfers, inst, batch, duration)
+        else:
+            self.loop.call_at(end, self._start_transfers, inst, batch, 0.0)
+        self.loop.call_at(end, self._prefill_done, inst)
+
+    def _prefill_done(self, inst: Instance) -> None:
+        self.idle.append(inst)
+        self._dispatch()
+
+    # -- transfer ----------------------------------------------------------------------
+
+    def _start_transfers(
+        self,
+        inst: Instance,
+        batch: list[tuple[_Req, _Decode, PathCandidate, str]],
+        prefill_s: float,
+    ) -> None:
+        now = self.loop.now()
+        chunks = self.layers if prefill_s > 0 else 1
+        capped: list[Flow] = []
+        for r, d, path, transport in batch:
+            r.transport = transport
+            r.path = path
+            r.xfer_start = now
+            shard = r.kv_bytes // self.tp
+            specs = []
+            for k in range(self.tp):
+                if k == 0:
+                    links = path.links
+                else:
+                    view = self.cluster.pair_view(inst.gpus[k], d.inst.gpus[k])
+                    links = view.paths_for(transport)[0].links
+                setup_bytes = chunks * path.setup_latency_s * path.bandwidth_gbps * 1e9
+                specs.append((shard + setup_bytes, self.links.path(links), self._shard_done(r)))
+            r.shards_left = len(specs)
+            if prefill_s > 0:
+                cap = specs[0][0] / prefill_s
+                capped.extend(self.network.start_flows(specs, cap=cap))
+            else:
+                self.network.start_flows(specs)
+        if capped:
+            remaining = prefill_s - prefill_s / self.layers
+            self.loop.call_at(now + remaining, self.network.set_cap, capped, math.inf)
+
+    def _shard_done(self, r: _Req) -> Callable[[], None]:
+        def done() -> None:
+            r.shards_left -= 1
+            if r.shards_left == 0:
+                self._kv_arrived(r)
+
+        return done
+
+    def _kv_arrived(self, r: _Req) -> None:
+        now = self.loop.now()
+        r.xfer_end = now
+        r.ttft = now - r.req.arrival_s
+        r.exposed = max(0.0, now - r.prefill_end)
+        # what a live sender measures feeds the cost policy's bandwidth estimate
+        measured = not self.config.pipelining and now > r.xfer_start and r.kv_bytes > 0
+        if measured and r.path is not None:
+            self.estimator.record(r.path, r.kv_bytes // self.tp, now - r.xfer_start)
+        d = r.decode
+        assert d is not None
+        if r.req.output_tokens <= 1:
+            self._finish(r, d)
+            self._dispatch()
+            return
+        if d.n >= self.config.max_decode_batch:
+            d.waiting.append(r)
+        else:
+            self._join(d, r)
+
+    # -- decode ------------------------------------------------------------------------
+
+    def _advance(self, d: _Decode, now: float) -> None:
+        if d.n and d.step_s > 0:
+            d.steps += (now - d.last_t) / d.step_s
+        d.last_t = now
+
+    def _join(self, d: _Decode, r: _Req) -> None:
+        now = self.loop.now()
+        self._advance(d, now)
+        d.seq += 1
+        heapq.heappush(d.members, (d.steps + r.req.output_tokens - 1, d.seq, r))
+        d.n += 1
+        d.sum_input += r.req.input_tokens
+        d.sum_join += d.steps
+        self._reschedule(d, now)
+
+    def _reschedule(self, d: _Decode, now: float) -> None:
+        d.version += 1
+        if not d.n:
+            d.step_s = 0.0
+            return
+        cached = d.sum_input + d.n * d.steps - d.sum_join
+        d.step_s = self.compute.decode_step_s(d.n, cached)
+        next_finish = d.members[0][0]
+        when = now + max(0.0, next_finish - d.steps) * d.step_s
+        self.loop.call_at(when, self._decode_tick, d, d.version)
+
+    def _decode_tick(self, d: _Decode, version: int) -> None:
+        if version != d.version:
+            return
+        now = self.loop.now()
+        self._advance(d, now)
+        members = d.members
+        limit = d.steps + 1e-6
+        freed = False
+        while members and members[0][0] <= limit:
+            finish_steps, _seq, r = heapq.heappop(members)
+            d.n -= 1
+            d.sum_input -= r.req.input_tokens
+            d.sum_join -= finish_steps - (r.req.output_tokens - 1)
+            self._finish(r, d)
+            freed = True
+        while d.waiting and d.n < self.config.max_decode_batch:
+            r = d.waiting.popleft()
+            d.seq += 1
+            heapq.heappush(members, (d.steps + r.req.output_tokens - 1, d.seq, r))
+            d.n += 1
+            d.sum_input += r.req.input_tokens
+            d.sum_join += d.steps
+        self._reschedule(d, now)
+        if freed:
+            self._dispatch()
+
+    def _finish(self, r: _Req, d: _Decode) -> None:
+        now = self.loop.now()
+        r.finish = now
+        r.e2e = now - r.req.arrival_s
+        d.reserved -= r.mem
+        if d.reserved < 1e-6:
+            d.reserved = 0.0
+        self.done.append(r)
+
+    # -- results -----------------------------------------------------------------------
+
+    def _result(self, wall: float) -> PolicyResult:
+        done = self.done
+        if len(done) + self.rejected != len(self._requests):
+            raise SimError(
+                f"simulation ended with {len(self._requests) - len(done) - self.rejected} "
+                "requests unfinished (a decode instance cannot hold them)"
+            )
+        ttft = np.array([r.ttft for r in done])
+        e2e = np.array([r.e2e for r in done])
+        tpot = np.array(
+            [
+                (r.finish - r.xfer_end) / (r.req.output_tokens - 1)
+                for r in done
+                if r.req.output_tokens > 1
+            ]
+        )
+        exposed = np.array([r.exposed for r in done])
+        transfer = np.array([r.xfer_end - r.xfer_start for r in done])
+        cfg = self.config
+        good = 0
+        for r in done:
+            out = r.req.output_tokens
+            tp_ok = out <= 1 or (r.finish - r.xfer_end) / (out - 1) <= cfg.slo_tpot_s
+            if r.ttft <= cfg.slo_ttft_s and tp_ok:
+                good += 1
+        bytes_by: dict[str, int] = {}
+        count_by: dict[str, int] = {}
+        for r in done:
+            bytes_by[r.transport] = bytes_by.get(r.transport, 0) + r.kv_bytes
+            count_by[r.transport] = count_by.get(r.transport, 0) + 1
+        sim_seconds = max((r.finish for r in done), default=0.0)
+        return PolicyResult(
+            policy=self.policy_name,
+            pipelining=cfg.pipelining,
+            completed=len(done),
+            rejected=self.rejected,
+            sim_seconds=sim_seconds,
+            wall_seconds=wall,
+            events=self.loop.events_processed,
+            ttft_s=ttft,
+            tpot_s=tpot,
+            e2e_s=e2e,
+            exposed_transfer_s=exposed,
+            transfer_s=transfer,
+            good=good,
+            bytes_by_transport=bytes_by,
+            count_by_transport=count_by,
+            utilization=self.network.utilization(sim_seconds),
+        )
+
+
+def run_policy(
+    config: SimConfig,
+    workload: Workload,
+    policy: str,
+    progress: Callable[[int], None] | None = None,
+) -> PolicyResult:
+    """Simulate ``workload`` under one policy (``uniform-rdma``, ``paper``, ``cost``, ...)."""
+    return Simulation(config, workload, policy).run(progress)

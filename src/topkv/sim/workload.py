@@ -1,0 +1,400 @@
+"""Request workloads: trace readers, synthetic arrivals and rate scaling.
+
+Formats (see ``../shared/traces``):
+
+* Azure LLM inference trace 2023 (code, conversation): CSV with header
+  ``TIMESTAMP,ContextTokens,GeneratedTokens``; timestamps are absolute date-times.
+* Mooncake FAST'25 traces: JSON lines with ``timestamp`` (ms), ``input_length``,
+  ``output_length`` (and ``hash_ids``, unused). Its timestamps are quantized (the
+  conversation trace to 3 s), so arrivals are spread uniformly over each quantum
+  (``jitter_s``) with a seeded generator, instead of arriving in bursts.
+* ServeGen rate files: one CSV per client (``chunk-N-trace.csv``), rows
+  ``window_start_s,rate_rps,cv,distribution,shape,scale``: the client's request rate and
+  inter-arrival distribution (Gamma or Weibull) in each window. Arrivals are drawn from that
+  distribution rescaled to the window's mean rate (its shape, hence its burstiness, kept).
+  The release has no per-request lengths, so prompt and output lengths are drawn from
+  log-normal distributions whose medians are parameters.
+* Synthetic: Poisson or Gamma (given coefficient of variation) arrivals.
+
+A malformed row raises :class:`TraceFormatError` naming the file and line.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import TextIO
+
+import numpy as np
+
+from topkv.sim.errors import SimError, TraceFormatError
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One inference request: arrival time (s from trace start) and token counts."""
+
+    rid: int
+    arrival_s: float
+    input_tokens: int
+    output_tokens: int
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Requests sorted by arrival, with where they came from."""
+
+    name: str
+    requests: tuple[Request, ...]
+
+    @property
+    def duration_s(self) -> float:
+        if not self.requests:
+            return 0.0
+        return self.requests[-1].arrival_s - self.requests[0].arrival_s
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+
+def _finish(name: str, rows: list[tuple[float, int, int]]) -> Workload:
+    rows.sort(key=lambda r: r[0])
+    start = rows[0][0] if rows else 0.0
+    requests = tuple(Request(i, t - start, inp, out) for i, (t, inp, out) in enumerate(rows))
+    return Workload(name, requests)
+
+
+def _positive_int(path: str, line: int, field: str, text: str, minimum: int = 0) -> int:
+    try:
+        value = int(text.strip())
+    except ValueError:
+        raise TraceFormatError(path, line, f"{field} {text!r} is not an integer") from None
+    if value < minimum:
+        raise TraceFormatError(path, line, f"{field} {value} is below {minimum}")
+    return value
+
+
+# -- Azure 2023 ------------------------------------------------------------------------
+
+AZURE_HEADER = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+_AZURE_TS = re.compile(r"^(\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d)(?:\.(\d+))?$")
+
+
+def _azure_time(path: str, line: int, text: str) -> float:
+    match = _AZURE_TS.match(text.strip())
+    if not match:
+        raise TraceFormatError(path, line, f"timestamp {text!r} is not YYYY-MM-DD HH:MM:SS[.f]")
+    try:
+        whole = datetime.fromisoformat(match.group(1)).timestamp()
+    except ValueError as exc:
+        raise TraceFormatError(path, line, f"timestamp {text!r}: {exc}") from None
+    frac = match.group(2)
+    return whole + (int(frac) / 10 ** len(frac) if frac else 0.0)
+
+
+def read_azure_csv(path: Path) -> Workload:
+    """Read an Azure LLM inference trace 2023 CSV (code or conversation)."""
+    name = str(path)
+    rows: list[tuple[float, int, int]] = []
+    with _open(path) as handle:
+        reader = csv.reader(handle)
+        header = next(reader, None)
+        if header is None or tuple(h.strip() for h in header) != AZURE_HEADER:
+            raise TraceFormatError(
+                name, 1, f"expected header {','.join(AZURE_HEADER)}, got {header!r}"
+            )
+        for row in reader:
+            line = reader.line_num
+            if not row or all(not c.strip() for c in row):
+                continue
+            if len(row) != 3:
+                raise TraceFormatError(name, line, f"expected 3 fields, got {len(row)}")
+            t = _azure_time(name, line, row[0])
+            inp = _positive_int(name, line, "ContextTokens", row[1], 1)
+            out = _positive_int(name, line, "GeneratedTokens", row[2], 1)
+            rows.append((t, inp, out))
+    if not rows:
+        raise TraceFormatError(name, 2, "the trace has no requests")
+    return _finish(f"azure:{path.name}", rows)
+
+
+# -- Mooncake ------------------------------------------------------------------------
+
+
+def read_mooncake_jsonl(path: Path, jitter_s: float = 3.0, seed: int = 0) -> Workload:
+    """Read a Mooncake trace; spread each quantized timestamp over ``jitter_s`` seconds."""
+    if jitter_s < 0:
+        raise SimError(f"jitter must be >= 0 s, got {jitter_s}")
+    name = str(path)
+    rng = np.random.default_rng(seed)
+    rows: list[tuple[float, int, int]] = []
+    with _open(path) as handle:
+        for line, text in enumerate(handle, start=1):
+            if not text.strip():
+                continue
+            try:
+                record = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise TraceFormatError(name, line, f"invalid JSON: {exc.msg}") from None
+            if not isinstance(record, dict):
+                raise TraceFormatError(name, line, "expected a JSON object")
+            fields = []
+            for key in ("timestamp", "input_length", "output_length"):
+                value = record.get(key)
+                if isinstance(value, bool) or not isinstance(value, int | float):
+                    raise TraceFormatError(name, line, f"{key!r} missing or not a number")
+                if not math.isfinite(value) or value < 0:
+                    raise TraceFormatError(name, line, f"{key!r} = {value} is not >= 0")
+                fields.append(value)
+            ts_ms, inp, out = fields
+            if inp < 1 or out < 1:
+                raise TraceFormatError(name, line, "input_length and output_length must be >= 1")
+            t = ts_ms / 1000.0 + (rng.uniform(0.0, jitter_s) if jitter_s else 0.0)
+            rows.append((t, int(inp), int(out)))
+    if not rows:
+        raise TraceFormatError(name, 1, "the trace has no requests")
+    return _finish(f"mooncake:{path.name}", rows)
+
+
+# -- ServeGen ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ServeGenOptions:
+    """Which part of the (two-week) rate files to turn into requests, and lengths."""
+
+    start_s: float = 0.0
+    duration_s: float = 600.0
+    input_median: int = 1024
+    input_sigma: float = 1.0
+    output_median: int = 256
+    output_sigma: float = 1.0
+    max_tokens: int = 32768
+    seed: int = 0
+
+
+def _servegen_files(path: Path) -> list[Path]:
+    if path.is_dir():
+        files = sorted(path.glob("*-trace.csv")) or sorted(path.glob("*.csv"))
+        if not files:
+            raise SimError(f"{path}: no ServeGen rate files (*-trace.csv) in this directory")
+        return files
+    return [path]
+
+
+def read_servegen(path: Path, options: ServeGenOptions | None = None) -> Workload:
+    """Turn ServeGen per-client rate files (a file or a directory of them) into requests."""
+    opts = options or ServeGenOptions()
+    if opts.duration_s <= 0:
+        raise SimError(f"ServeGen duration must be > 0 s, got {opts.duration_s}")
+    rng = np.random.default_rng(opts.seed)
+    end_s = opts.start_s + opts.duration_s
+    arrivals: list[np.ndarray] = []
+    for file in _servegen_files(path):
+        windows = _servegen_windows(file)
+        for i, (start, rate, dist, shape) in enumerate(windows):
+            stop = windows[i + 1][0] if i + 1 < len(windows) else start + _default_window(windows)
+            lo, hi = max(start, opts.start_s), min(stop, end_s)
+            if rate <= 0 or hi <= lo:
+                continue
+            arrivals.append(_renewal_arrivals(rng, dist, shape, rate, start, stop, lo, hi))
+    times = np.sort(np.concatenate(arrivals)) if arrivals else np.empty(0)
+    if times.size == 0:
+        raise SimError(
+            f"{path}: no requests between {opts.start_s:g} s and {end_s:g} s "
+            "(choose another window)"
+        )
+    n = times.size
+    inp = _lognormal_tokens(rng, opts.input_median, opts.input_sigma, n, opts.max_tokens)
+    out = _lognormal_tokens(rng, opts.output_median, opts.output_sigma, n, opts.max_tokens)
+    rows = [(float(t), int(a), int(b)) for t, a, b in zip(times, inp, out, strict=True)]
+    return _finish(f"servegen:{path.name}", rows)
+
+
+def _default_window(windows: list[tuple[float, float, str, float]]) -> float:
+    if len(windows) >= 2:
+        return windows[1][0] - windows[0][0]
+    return 600.0
+
+
+def _servegen_windows(file: Path) -> list[tuple[float, float, str, float]]:
+    name = str(file)
+    out: list[tuple[float, float, str, float]] = []
+    with _open(file) as handle:
+        for line, row in enumerate(csv.reader(handle), start=1):
+            if not row or all(not c.strip() for c in row):
+                continue
+            if len(row) != 6:
+                raise TraceFormatError(
+                    name,
+                    line,
+                    f"expected 6 fields (start,rate,cv,distribution,shape,scale), got {len(row)}",
+                )
+            try:
+                start, rate, _cv = float(row[0]), float(row[1]), float(row[2])
+                shape = float(row[4]) if row[4].strip() else 0.0
+                float(row[5] or 0)
+            except ValueError:
+                raise TraceFormatError(name, line, "a numeric field is not a number") from None
+            dist = row[3].strip()
+            if not all(math.isfinite(v) for v in (start, rate, shape)) or rate < 0:
+                raise TraceFormatError(
+                    name, line, "start, rate and shape must be finite, rate >= 0"
+                )
+            if rate > 0:
+                if dist not in ("Gamma", "Weibull", "Exponential"):
+                    raise TraceFormatError(
+                        name, line, f"distribution {dist!r} is not Gamma, Weibull or Exponential"
+                    )
+                if dist != "Exponential" and shape <= 0:
+                    raise TraceFormatError(name, line, f"{dist} shape {shape} must be > 0")
+            if out and start <= out[-1][0]:
+                raise TraceFormatError(name, line, "window starts must increase")
+            out.append((start, rate, dist, shape))
+    if not out:
+        raise TraceFormatError(name, 1, "the rate file has no rows")
+    return out
+
+
+def _renewal_arrivals(
+    rng: np.random.Generator,
+    dist: str,
+    shape: float,
+    rate: float,
+    start: float,
+    stop: float,
+    lo: float,
+    hi: float,
+) -> np.ndarray:
+    """Arrivals of a renewal process of mean rate ``rate`` over [start, stop), kept in [lo, hi)."""
+    mean = 1.0 / rate
+    expected = int((stop - start) * rate * 1.5) + 16
+    if dist == "Gamma":
+        gaps = rng.gamma(shape, mean / shape, expected)
+    elif dist == "Weibull":
+        gaps = rng.weibull(shape, expected) * (mean / math.gamma(1.0 + 1.0 / shape))
+    else:
+        gaps = rng.exponential(mean, expected)
+    # start at a random phase so windows do not all begin with an arrival
+    times = start + rng.uniform(0.0, mean) + np.concatenate(([0.0], np.cumsum(gaps[:-1])))
+    while times[-1] < stop:
+        more = rng.exponential(mean, expected)
+        times = np.concatenate((times, times[-1] + np.cumsum(more)))
+    return times[(times >= lo) & (times < hi)]
+
+
+def _lognormal_tokens(
+    rng: np.random.Generator, median: int, sigma: float, n: int, cap: int
+) -> np.ndarray:
+    values = rng.lognormal(math.log(max(median, 1)), sigma, n)
+    return np.clip(np.rint(values), 1, cap).astype(np.int64)
+
+
+# -- synthetic -----------------------------------------------------------------------
+
+
+def synthetic(
+    num_requests: int,
+    rate_rps: float,
+    input_tokens: int = 1024,
+    output_tokens: int = 128,
+    cv: float = 1.0,
+    seed: int = 0,
+    length_sigma: float = 0.0,
+) -> Workload:
+    """Poisson (``cv`` = 1) or Gamma arrivals with fixed or log-normal lengths."""
+    if num_requests < 1 or rate_rps <= 0 or cv <= 0:
+        raise SimError("synthetic workload needs num_requests >= 1, rate > 0 and cv > 0")
+    rng = np.random.default_rng(seed)
+    mean = 1.0 / rate_rps
+    if cv == 1.0:
+        gaps = rng.exponential(mean, num_requests)
+    else:
+        shape = 1.0 / (cv * cv)
+        gaps = rng.gamma(shape, mean / shape, num_requests)
+    times = np.cumsum(gaps) - gaps[0]
+    if length_sigma > 0:
+        inp = _lognormal_tokens(rng, input_tokens, length_sigma, num_requests, 1 << 20)
+        out = _lognormal_tokens(rng, output_tokens, length_sigma, num_requests, 1 << 20)
+    else:
+        inp = np.full(num_requests, input_tokens)
+        out = np.full(num_requests, output_tokens)
+    rows = [(float(t), int(a), int(b)) for t, a, b in zip(times, inp, out, strict=True)]
+    kind = "poisson" if cv == 1.0 else f"gamma-cv{cv:g}"
+    return _finish(f"synthetic:{kind}@{rate_rps:g}rps", rows)
+
+
+# -- scaling and dispatch ------------------------------------------------------------
+
+
+def scale_rate(workload: Workload, factor: float) -> Workload:
+    """Multiply the request rate by ``factor`` (arrival times divided by it)."""
+    if not factor > 0 or math.isinf(factor):
+        raise SimError(f"rate scale must be a finite number > 0, got {factor}")
+    if factor == 1.0:
+        return workload
+    requests = tuple(
+        Request(r.rid, r.arrival_s / factor, r.input_tokens, r.output_tokens)
+        for r in workload.requests
+    )
+    return Workload(f"{workload.name}x{factor:g}", requests)
+
+
+def head(workload: Workload, count: int) -> Workload:
+    """The first ``count`` requests."""
+    return Workload(workload.name, workload.requests[:count])
+
+
+def detect_format(path: Path) -> str:
+    """``azure``, ``mooncake`` or ``servegen`` from the path and its first line."""
+    if not path.exists():
+        raise SimError(f"trace {path} does not exist")
+    if path.is_dir():
+        return "servegen"
+    first = next(_lines(path), "")
+    if first.lstrip().startswith("{"):
+        return "mooncake"
+    if first.replace(" ", "").startswith("TIMESTAMP,"):
+        return "azure"
+    if first.count(",") == 5:
+        return "servegen"
+    raise SimError(
+        f"{path}: cannot tell the trace format from its first line {first[:60]!r}; expected "
+        "an Azure 2023 CSV, a Mooncake JSONL or a ServeGen rate CSV"
+    )
+
+
+def load_trace(
+    path: Path,
+    fmt: str = "auto",
+    jitter_s: float = 3.0,
+    seed: int = 0,
+    servegen: ServeGenOptions | None = None,
+) -> Workload:
+    """Read any supported trace; ``fmt`` is ``auto``, ``azure``, ``mooncake`` or ``servegen``."""
+    kind = detect_format(path) if fmt == "auto" else fmt
+    if kind == "azure":
+        return read_azure_csv(path)
+    if kind == "mooncake":
+        return read_mooncake_jsonl(path, jitter_s=jitter_s, seed=seed)
+    if kind == "servegen":
+        return read_servegen(path, servegen)
+    raise SimError(f"unknown trace format {fmt!r}; use auto, azure, mooncake or servegen")
+
+
+def _open(path: Path) -> TextIO:
+    try:
+        return path.open(newline="", encoding="utf-8")
+    except OSError as exc:
+        raise SimError(f"cannot read trace {path}: {exc.strerror}") from None
+
+
+def _lines(path: Path) -> Iterator[str]:
+    with _open(path) as handle:
+        yield from handle
