@@ -18,6 +18,7 @@ from topkv.errors import TopKVError
 COMMAND_MODULES: list[str] = [
     # one entry per module in topkv.cli, e.g. "plan"
     "plan",
+    "discover",
     "select",
     "sim",
     "bench",

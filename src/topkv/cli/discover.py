@@ -1,0 +1,148 @@
+"""``topkv discover`` (topology of this machine or of saved tool outputs) and ``topkv nic-map``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.console import Console
+
+from topkv.errors import ConfigError
+from topkv.topology.build import discover_from_dir, discover_from_files, discover_local
+from topkv.topology.model import Cluster, Node
+from topkv.topology.nicmap import FORMATS, render
+from topkv.topology.paths import nearest_nics
+
+# CLI flag -> output kind (keys of topkv.topology.probes.PROBES)
+FILE_FLAGS: dict[str, str] = {
+    "nvidia_smi_topo": "nvidia-smi-topo",
+    "nvlink": "nvlink",
+    "nvlink_remote": "nvlink-remote",
+    "fabric": "fabric",
+    "lspci": "lspci",
+    "lspci_vvv": "lspci-vvv",
+    "ibstat": "ibstat",
+    "ibv_devinfo": "ibv-devinfo",
+    "ibstatus": "ibstatus",
+    "ibdev2netdev": "ibdev2netdev",
+    "rdma_link": "rdma-link",
+    "numactl": "numactl",
+    "lscpu": "lscpu",
+    "rocm_smi": "rocm-smi",
+    "k8s_node": "k8s-node",
+}
+
+
+def _file_opt(kind: str) -> Any:
+    return typer.Option(None, f"--{kind}", help=f"Saved output of the {kind} probe.")
+
+
+def _node_from_options(
+    from_dir: Path | None, name: str | None, gpu_name: str | None, files: dict[str, Path | None]
+) -> Node:
+    given = {FILE_FLAGS[k]: v for k, v in files.items() if v is not None}
+    if from_dir is not None and given:
+        raise ConfigError("give either --from DIR or per-kind files, not both")
+    if from_dir is not None:
+        return discover_from_dir(from_dir, name=name, gpu_name=gpu_name)
+    if given:
+        return discover_from_files(given, name=name or "node0", gpu_name=gpu_name)
+    return discover_local(name=name)
+
+
+def _summary(node: Node) -> str:
+    out = [
+        f"node {node.name}: {len(node.gpus)} GPU(s), {len(node.nics)} NIC(s), "
+        f"{len(node.numa_nodes)} NUMA node(s)"
+    ]
+    for n in node.numa_nodes:
+        kind = f" cpuless ({n.candidate} candidate)" if n.cpuless else ""
+        mem = f", {n.memory_mb} MB" if n.memory_mb is not None else ""
+        out.append(f"  NUMA {n.id}: {len(n.cpus)} CPUs{mem}{kind}")
+    for g in node.gpus:
+        near = ", ".join(x.name for x in nearest_nics(node, g.index)) if node.nics else "-"
+        out.append(
+            f"  GPU{g.index} {g.name or '(model unknown)'} numa={g.numa} "
+            f"domain={g.nvlink_domain or '-'} nearest NIC: {near}"
+        )
+    for nic in node.nics:
+        out.append(
+            f"  NIC {nic.name} netdev={nic.netdev or '-'} "
+            f"{nic.link_layer or '-'} {nic.rate_gbps or '-'} Gb/s {nic.state or ''}".rstrip()
+        )
+    for d in node.nvlink_domains:
+        out.append(f"  NVLink domain {d.id} ({d.kind}): {len(d.members)} GPUs")
+    kinds: dict[str, int] = {}
+    for lk in node.links:
+        kinds[lk.type] = kinds.get(lk.type, 0) + 1
+    if kinds:
+        out.append("  links: " + ", ".join(f"{k} x{v}" for k, v in sorted(kinds.items())))
+    for note in node.notes:
+        out.append(f"  note: {note}")
+    return "\n".join(out)
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("discover")
+    def discover_command(
+        from_dir: Path | None = typer.Option(
+            None, "--from", help="Directory of saved tool outputs (see docs/topology.md)."
+        ),
+        name: str | None = typer.Option(None, "--name", help="Node name."),
+        gpu_name: str | None = typer.Option(
+            None, "--gpu-name", help="GPU model when the outputs do not name it (H100, B200)."
+        ),
+        as_json: bool = typer.Option(False, "--json", help="Print the topology as JSON."),
+        nvidia_smi_topo: Path | None = _file_opt("nvidia-smi-topo"),
+        nvlink: Path | None = _file_opt("nvlink"),
+        nvlink_remote: Path | None = _file_opt("nvlink-remote"),
+        fabric: Path | None = _file_opt("fabric"),
+        lspci: Path | None = _file_opt("lspci"),
+        lspci_vvv: Path | None = _file_opt("lspci-vvv"),
+        ibstat: Path | None = _file_opt("ibstat"),
+        ibv_devinfo: Path | None = _file_opt("ibv-devinfo"),
+        ibstatus: Path | None = _file_opt("ibstatus"),
+        ibdev2netdev: Path | None = _file_opt("ibdev2netdev"),
+        rdma_link: Path | None = _file_opt("rdma-link"),
+        numactl: Path | None = _file_opt("numactl"),
+        lscpu: Path | None = _file_opt("lscpu"),
+        rocm_smi: Path | None = _file_opt("rocm-smi"),
+        k8s_node: Path | None = _file_opt("k8s-node"),
+    ) -> None:
+        """Discover a node's topology: GPUs, NICs, NUMA, links and NVLink domains."""
+        files = {k: v for k, v in locals().items() if k in FILE_FLAGS}
+        node = _node_from_options(from_dir, name, gpu_name, files)
+        if as_json:
+            typer.echo(json.dumps(Cluster(nodes=[node]).model_dump(mode="json"), indent=2))
+        else:
+            Console(soft_wrap=True).print(_summary(node), markup=False, highlight=False)
+
+    @app.command("nic-map")
+    def nic_map_command(
+        fmt: str = typer.Option(..., "--format", help="ucx | nccl | mooncake | sglang"),
+        from_dir: Path | None = typer.Option(None, "--from", help="Directory of saved outputs."),
+        name: str | None = typer.Option(None, "--name", help="Node name."),
+        nvidia_smi_topo: Path | None = _file_opt("nvidia-smi-topo"),
+        nvlink: Path | None = _file_opt("nvlink"),
+        nvlink_remote: Path | None = _file_opt("nvlink-remote"),
+        fabric: Path | None = _file_opt("fabric"),
+        lspci: Path | None = _file_opt("lspci"),
+        lspci_vvv: Path | None = _file_opt("lspci-vvv"),
+        ibstat: Path | None = _file_opt("ibstat"),
+        ibv_devinfo: Path | None = _file_opt("ibv-devinfo"),
+        ibstatus: Path | None = _file_opt("ibstatus"),
+        ibdev2netdev: Path | None = _file_opt("ibdev2netdev"),
+        rdma_link: Path | None = _file_opt("rdma-link"),
+        numactl: Path | None = _file_opt("numactl"),
+        lscpu: Path | None = _file_opt("lscpu"),
+        rocm_smi: Path | None = _file_opt("rocm-smi"),
+        k8s_node: Path | None = _file_opt("k8s-node"),
+    ) -> None:
+        """Print each GPU's nearest NIC(s) in UCX, NCCL, Mooncake or SGLang format."""
+        if fmt not in FORMATS:
+            raise ConfigError(f"--format {fmt!r}: choose one of {', '.join(FORMATS)}")
+        files = {k: v for k, v in locals().items() if k in FILE_FLAGS}
+        node = _node_from_options(from_dir, name, None, files)
+        typer.echo(render(node, fmt))
