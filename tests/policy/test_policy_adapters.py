@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
 from topkv.errors import ConfigError, TopKVError
 from topkv.policy import CostPolicy, Endpoint, LinkLoad, PaperPolicy, TransferRequest
 from topkv.policy.adapters import cluster_from_json, pair_view_from_cluster
+from topkv.topology.build import discover_from_files
 from topkv.topology.model import Cluster
+
+TOPO_DIR = Path(__file__).resolve().parents[2] / ".." / "shared" / "fixtures" / "nvidia-smi-topo"
 
 H100_NV18 = "sglang-30401-h100-8gpu-nv18-8nic.txt"
 H100_NO_NIC = "stas-h100-8gpu-nv18-hyperthreads-no-nic.txt"
@@ -88,3 +92,24 @@ def test_cluster_json_round_trip_and_errors(two_node_cluster: Build) -> None:
         cluster_from_json("{nope")
     with pytest.raises(ConfigError, match="not a topology"):
         cluster_from_json('{"nodes": [{"gpus": 3}]}')
+
+
+def test_selection_on_clusters_from_the_topology_builder() -> None:
+    """Same cases through ``topkv discover``'s own builder (the ``--json`` it writes)."""
+
+    def cluster(fixture: str) -> Cluster:
+        files = {"nvidia-smi-topo": TOPO_DIR / fixture}
+        node = discover_from_files(files, name="n", gpu_name="NVIDIA H100 80GB HBM3")
+        return cluster_from_json(Cluster.replicate(node, 2).model_dump_json())
+
+    with_nics, without_nics = cluster(H100_NV18), cluster(H100_NO_NIC)
+    request = TransferRequest(LLAMA70B_4K)
+    cases = [
+        (with_nics, Endpoint("n-0", 0), Endpoint("n-0", 7), "nvlink"),
+        (with_nics, Endpoint("n-0", 0), Endpoint("n-1", 0), "rdma"),
+        (without_nics, Endpoint("n-0", 0), Endpoint("n-1", 0), "tcp"),
+    ]
+    for topology, src, dst, expected in cases:
+        pair = pair_view_from_cluster(topology, src, dst)
+        assert PaperPolicy().select(pair, request).choice == expected
+        assert CostPolicy().select(pair, request).choice == expected
