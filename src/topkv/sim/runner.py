@@ -63,7 +63,7 @@ class SimConfig:
     compute: ComputeModel | None = None
     util_bin_s: float = 1.0
     event_core: str = "heap"
-    remote_shortlist: int = 2
+    shortlist: int = 2
 
     def compute_model(self, tp: int) -> ComputeModel:
         if self.compute is not None:
@@ -170,6 +170,8 @@ class PolicyResult:
     e2e_s: np.ndarray
     exposed_transfer_s: np.ndarray
     transfer_s: np.ndarray
+    prefill_wait_s: np.ndarray
+    prefill_s: np.ndarray
     good: int
     bytes_by_transport: dict[str, int]
     count_by_transport: dict[str, int]
@@ -211,6 +213,7 @@ class PolicyResult:
             ("e2e", self.e2e_s),
             ("exposed_transfer", self.exposed_transfer_s),
             ("transfer", self.transfer_s),
+            ("prefill_queue", self.prefill_wait_s),
         ):
             for q in (50, 90, 99):
                 out[f"{name}_p{q}_ms"] = self.pct(arr, q) * ms
@@ -335,11 +338,8 @@ class Simulation:
         self, inst: Instance, r: _Req, need: float
     ) -> tuple[_Decode, PathCandidate, str] | None:
         src = inst.gpus[0]
-        candidates = [d for d in self._local[inst.iid] if d.capacity - d.reserved >= need]
-        remote = [d for d in self._remote[inst.iid] if d.capacity - d.reserved >= need]
-        if len(remote) > self.config.remote_shortlist:
-            remote = heapq.nsmallest(self.config.remote_shortlist, remote, key=lambda d: d.reserved)
-        candidates.extend(remote)
+        candidates = self._shortlist(self._local[inst.iid], need)
+        candidates.extend(self._shortlist(self._remote[inst.iid], need))
         if not candidates:
             return None
         by_id = {d.inst.name: d for d in candidates}
@@ -364,11 +364,24 @@ class Simulation:
             return None
         target = by_id[decision.worker_id]
         chosen = decision.selection.chosen
-        path = PathCandidate(chosen.transport, chosen.bandwidth_gbps, chosen.setup_s, chosen.links)
+        view = self.cluster.pair_view(src, target.inst.gpus[0])
+        path = next(
+            c
+            for c in view.candidates
+            if c.transport == chosen.transport and c.links == chosen.links
+        )
         target.reserved += need
         r.mem = need
         r.decode = target
         return target, path, decision.selection.choice
+
+    def _shortlist(self, pool: list[_Decode], need: float) -> list[_Decode]:
+        """The least-reserved instances of ``pool`` with room for ``need`` bytes."""
+        fits = [d for d in pool if d.capacity - d.reserved >= need]
+        k = self.config.shortlist
+        if len(fits) > k:
+            fits = heapq.nsmallest(k, fits, key=lambda d: d.reserved)
+        return fits
 
     def _pair_view(self, src: Endpoint, dst: Endpoint) -> PairView:
         return self.cluster.pair_view(self._gpu_by_ep[src], self._gpu_by_ep[dst])
@@ -583,6 +596,8 @@ class Simulation:
             e2e_s=e2e,
             exposed_transfer_s=exposed,
             transfer_s=transfer,
+            prefill_wait_s=np.array([r.prefill_start - r.req.arrival_s for r in done]),
+            prefill_s=np.array([r.prefill_end - r.prefill_start for r in done]),
             good=good,
             bytes_by_transport=bytes_by,
             count_by_transport=count_by,
