@@ -135,3 +135,16 @@ def test_routing_is_deterministic_and_respects_eligibility(
     }
     assert costs[chosen.worker_id] <= min(costs.values()) * (1 + 1e-9)
     assert sorted((decision.worker_id, *decision.alternatives)) == sorted(costs)
+
+
+@given(path=paths, request=requests)
+def test_idle_estimate_is_the_planners_eq2(path: PathCandidate, request: TransferRequest) -> None:
+    from math import isclose
+
+    from topkv.planner.transports import TransportSpec, transfer_time_s
+    from topkv.policy import NO_LOAD, NominalBandwidth, estimate_path
+
+    estimate = estimate_path(path, request, NO_LOAD, NominalBandwidth())
+    spec = TransportSpec(path.transport, path.bandwidth_gbps, path.setup_latency_s)
+    expected = transfer_time_s(request.nbytes, spec, request.chunks)
+    assert isclose(estimate.estimated_s, expected, rel_tol=1e-12, abs_tol=1e-18)

@@ -19,24 +19,44 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from topkv.planner.transports import TransportSpec, transfer_time_s
+from topkv.planner.transports import GB
 from topkv.policy.bandwidth import BandwidthReader, BandwidthSource
 from topkv.policy.view import LinkLoad, PathCandidate, TransferRequest
 
 
 @dataclass(frozen=True)
 class CandidateEstimate:
-    """One candidate path with its estimated completion time and how it was reached."""
+    """One candidate path with its estimated completion time and the terms behind it."""
 
     transport: str
     estimated_s: float
     bandwidth_gbps: float
     source: BandwidthSource
-    reason: str
     links: tuple[str, ...] = ()
-    setup_s: float = 0.0
+    nbytes: int = 0
+    chunks: int = 1
+    setup_latency_s: float = 0.0
     queued_bytes: int = 0
     bottleneck_link: str | None = None
+
+    @property
+    def setup_s(self) -> float:
+        """Total setup time: one setup latency per chunk."""
+        return self.chunks * self.setup_latency_s
+
+    @property
+    def reason(self) -> str:
+        """How the estimate was reached, in words (built on demand: selection is hot)."""
+        queue = (
+            f" + {_format_bytes(self.queued_bytes)} queued on {self.bottleneck_link}"
+            if self.bottleneck_link
+            else ""
+        )
+        return (
+            f"{self.chunks} x {_format_seconds(self.setup_latency_s)} setup"
+            f" + ({_format_bytes(self.nbytes)}{queue})"
+            f" / {self.bandwidth_gbps:.4g} GB/s ({self.source})"
+        )
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -88,27 +108,25 @@ def estimate_path(
     reading = reader.reading(candidate)
     bottleneck: str | None = None
     queued = 0
-    for link in candidate.links:
-        on_link = queued_bytes_on(load, link, request.nbytes)
-        if on_link > queued:
-            bottleneck, queued = link, on_link
-    setup_s = request.chunks * candidate.setup_latency_s
-    effective = TransportSpec(candidate.transport, reading.gbps, candidate.setup_latency_s)
-    estimated = transfer_time_s(request.nbytes + queued, effective, request.chunks)
-    queue_text = f" + {_format_bytes(queued)} queued on {bottleneck}" if bottleneck else ""
-    reason = (
-        f"{request.chunks} x {_format_seconds(candidate.setup_latency_s)} setup"
-        f" + ({_format_bytes(request.nbytes)}{queue_text})"
-        f" / {reading.gbps:.4g} GB/s ({reading.source})"
+    if load.bytes_in_flight:
+        for link in candidate.links:
+            on_link = queued_bytes_on(load, link, request.nbytes)
+            if on_link > queued:
+                bottleneck, queued = link, on_link
+    # Eq. 2 (topkv.planner.transports.transfer_time_s), inlined: this runs per candidate
+    # per routing decision, and the tests check the two agree.
+    estimated = request.chunks * candidate.setup_latency_s + (request.nbytes + queued) / (
+        reading.gbps * GB
     )
     return CandidateEstimate(
         transport=candidate.transport,
         estimated_s=estimated,
         bandwidth_gbps=reading.gbps,
         source=reading.source,
-        reason=reason,
         links=candidate.links,
-        setup_s=setup_s,
+        nbytes=request.nbytes,
+        chunks=request.chunks,
+        setup_latency_s=candidate.setup_latency_s,
         queued_bytes=queued,
         bottleneck_link=bottleneck,
     )
