@@ -271,6 +271,9 @@ def _infer_header(rows: list[list[str]], warnings: list[str]) -> list[str]:
             break
     n_gpu = min(n_gpu, width)
     header = [f"GPU{i}" for i in range(n_gpu)] + [f"NIC{j}" for j in range(width - n_gpu)]
+    # trailing values of GPU rows are the affinity columns, in nvidia-smi's fixed order
+    n_extra = max((len(r) - 1 - width for r in gpu_rows), default=0)
+    header += ["CPU_AFFINITY", "NUMA_AFFINITY", "GPU_NUMA_ID"][: max(0, n_extra)]
     warnings.append(
         f"header line missing: inferred {n_gpu} GPU and {width - n_gpu} NIC columns from the rows"
     )
