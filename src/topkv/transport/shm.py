@@ -315,6 +315,7 @@ class _ShmOutgoing(OutgoingTransfer):
         self._cancelled = threading.Event()
         self._lock = threading.Lock()
         self._queued: set[int] = set()
+        self._error: BaseException | None = None
         self._finished = False
         self._started = time.perf_counter()
         threading.Thread(target=self._run, name="shm-send", daemon=True).start()
@@ -347,9 +348,11 @@ class _ShmOutgoing(OutgoingTransfer):
         self._queue.put(_FINISH)
 
     def _fail(self, error: BaseException) -> None:
-        with contextlib.suppress(Exception):
-            if not self._future.done():
-                self._future.set_exception(error)
+        """Record the first error; the worker resolves the future once it stops copying."""
+        with self._lock:
+            if self._error is None:
+                self._error = error
+        self._queue.put(_FINISH)
 
     def _run(self) -> None:
         conn = self._conn
@@ -364,7 +367,7 @@ class _ShmOutgoing(OutgoingTransfer):
             conn.control(framing.ControlKind.USE_SEGMENT, rid, arg0=segment.id)
             while True:
                 item = self._queue.get()
-                if item is _FINISH or self._cancelled.is_set() or self._future.done():
+                if item is _FINISH or self._error is not None:
                     break
                 assert isinstance(item, LayerItem)
                 base = item.layer * layout.layer_bytes
@@ -379,7 +382,7 @@ class _ShmOutgoing(OutgoingTransfer):
                 if item.crcs is not None:
                     crcs = list(item.crcs)
                 conn.send(framing.encode_layer_header(self.descriptor, item.layer, tuple(crcs)))
-            if self._future.done():
+            if self._error is not None:
                 conn.control(framing.ControlKind.CANCEL, rid)
                 return
             conn.control(framing.ControlKind.DONE, rid)
@@ -412,6 +415,9 @@ class _ShmOutgoing(OutgoingTransfer):
                 conn.acks.pop(rid, None)
             if segment is not None and not loaned:
                 conn.free(segment.id)
+            if self._error is not None:
+                with contextlib.suppress(Exception):
+                    self._future.set_exception(self._error)
 
 
 class ShmSource(TransferSource):

@@ -98,6 +98,7 @@ class _Incoming:
     arrived: set[int] = field(default_factory=set)
     error: BaseException | None = None
     streams_left: int = 1
+    settled: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -298,15 +299,45 @@ class TcpSink(TransferSink):
         if ack:
             self._ack(conn, state.descriptor.request_id, error)
         if not last:
+            if error is not None:
+                self._settle_failure(state, error)  # storage is freed by the last stream
+            else:
+                timer = threading.Timer(self._io_timeout, self._abandon, args=(state,))
+                timer.daemon = True
+                timer.start()
             return
         with self._lock:
-            self._incoming.pop(state.descriptor.request_id, None)
+            if self._incoming.get(state.descriptor.request_id) is state:
+                del self._incoming[state.descriptor.request_id]
         release = state.release
         if error is None:
             self._table.complete(ReceivedKV(state.descriptor, state.layers, self._verify, release))
         else:
             release()
-            self._table.fail(state.descriptor.request_id, error)
+            self._settle_failure(state, error)
+
+    def _settle_failure(self, state: _Incoming, error: BaseException) -> None:
+        with state.lock:
+            if state.settled:
+                return
+            state.settled = True
+        self._table.fail(state.descriptor.request_id, error)
+
+    def _abandon(self, state: _Incoming) -> None:
+        """A stream of a multi-stream transfer never finished: fail it after the timeout."""
+        with state.lock:
+            if state.streams_left == 0:
+                return
+            if state.error is None:
+                state.error = TransferTimeout(
+                    f"request {state.descriptor.request_id}: {state.streams_left} of its streams "
+                    f"did not finish within {self._io_timeout} s"
+                )
+            error = state.error
+        with self._lock:
+            if self._incoming.get(state.descriptor.request_id) is state:
+                del self._incoming[state.descriptor.request_id]
+        self._settle_failure(state, error)
 
 
 # -- sender ----------------------------------------------------------------------------------
@@ -374,6 +405,7 @@ class _TcpOutgoing(OutgoingTransfer):
         self._cancelled = threading.Event()
         self._lock = threading.Lock()
         self._streams_left = self._streams
+        self._error: BaseException | None = None
         self._sent_layers: set[int] = set()
         self._finished = False
         self._started = time.perf_counter()
@@ -413,9 +445,12 @@ class _TcpOutgoing(OutgoingTransfer):
             q.put(_FINISH)
 
     def _set_error(self, error: BaseException) -> None:
-        with contextlib.suppress(Exception):
-            if not self._future.done():
-                self._future.set_exception(error)
+        """Record the first error; every stream stops at its next layer boundary."""
+        with self._lock:
+            if self._error is None:
+                self._error = error
+        for q in self._queues:
+            q.put(_FINISH)
 
     def _run_stream(self, index: int) -> None:
         sock: socket.socket | None = None
@@ -425,7 +460,7 @@ class _TcpOutgoing(OutgoingTransfer):
             sock.settimeout(self._source.io_timeout)
             send_buffers(sock, [self._header])
             self._send_layers(sock, index)
-            if self._cancelled.is_set() or self._future.done():
+            if self._error is not None:
                 cancel = framing.Control(framing.ControlKind.CANCEL, self.descriptor.request_id)
                 send_buffers(sock, [framing.encode_control(cancel)])
                 return
@@ -444,7 +479,6 @@ class _TcpOutgoing(OutgoingTransfer):
             reusable = True
             if ack.status != framing.ControlStatus.OK:
                 raise error_from_ack(ack)
-            self._stream_ok()
         except TransportError as exc:
             if sock is not None and not reusable:
                 exc = _explain(sock, exc)
@@ -457,36 +491,43 @@ class _TcpOutgoing(OutgoingTransfer):
                     self._source.pool.checkin(self._dest, sock)
                 else:
                     sock.close()
+            self._stream_exit()
 
     def _send_layers(self, sock: socket.socket, index: int) -> None:
         q = self._queues[index]
         while True:
             item = q.get()
-            if item is _FINISH or self._cancelled.is_set():
+            if item is _FINISH or self._error is not None:
                 return
             assert isinstance(item, LayerItem)
             crcs = layer_crcs(item)
             header = framing.encode_layer_header(self.descriptor, item.layer, crcs)
             send_buffers(sock, [header, *item.tensors])
 
-    def _stream_ok(self) -> None:
+    def _stream_exit(self) -> None:
+        """The last stream to end resolves the future: the buffers are no longer read."""
         with self._lock:
             self._streams_left -= 1
-            done = self._streams_left == 0
-        if done and not self._future.done():
-            seconds = time.perf_counter() - self._started
+            if self._streams_left:
+                return
+            error = self._error
+        if error is not None:
             with contextlib.suppress(Exception):
-                self._future.set_result(
-                    TransferResult(
-                        request_id=self.descriptor.request_id,
-                        transport="tcp",
-                        mode=TransportMode.TCP,
-                        size_bytes=self.descriptor.layout.total_bytes,
-                        seconds=seconds,
-                        checksum_verified=True,
-                        wall_seconds=seconds,
-                    )
+                self._future.set_exception(error)
+            return
+        seconds = time.perf_counter() - self._started
+        with contextlib.suppress(Exception):
+            self._future.set_result(
+                TransferResult(
+                    request_id=self.descriptor.request_id,
+                    transport="tcp",
+                    mode=TransportMode.TCP,
+                    size_bytes=self.descriptor.layout.total_bytes,
+                    seconds=seconds,
+                    checksum_verified=True,
+                    wall_seconds=seconds,
                 )
+            )
 
 
 def _explain(sock: socket.socket, error: TransportError) -> TransportError:
