@@ -51,7 +51,7 @@ _MULTIWORD_COLUMNS = [
 ]
 _EXTRA_COLUMNS = {"CPU_AFFINITY", "NUMA_AFFINITY", "GPU_NUMA_ID"}
 _GPU_LABEL_RE = re.compile(r"^GPU(\d+)$")
-_DEVICE_LABEL_RE = re.compile(r"^(GPU\d+|NIC\d+|[A-Za-z][A-Za-z0-9]*_?\d+)$")
+_DEVICE_LABEL_RE = re.compile(r"^(GPU\d+|NIC\d+|[A-Za-z][A-Za-z0-9_]*\d+)$")
 _LEGEND_NIC_RE = re.compile(r"^\s*(NIC\d+)\s*:\s*(\S+)\s*$")
 
 
