@@ -1,0 +1,140 @@
+"""Prometheus metrics of the relay, one :class:`CollectorRegistry` per orchestrator.
+
+Names (all prefixed ``topkv_``):
+
+* ``transfers_total{mode,outcome}``: finished transfers by transport and outcome
+  (delivered, failed, recompute, cancelled); ``mode`` is ``none`` when no attempt ran;
+* ``transfer_bytes_total{mode}``: bytes delivered per transport;
+* ``transfers_in_flight``: transfers holding a concurrency slot now;
+  ``transfers_queued``: submitted and waiting for a slot;
+* ``transfer_retries_total``, ``checksum_failures_total``, ``transfer_failovers_total``,
+  ``transfer_reroutes_total``, ``transfer_attempt_failures_total{kind}``;
+* ``transfer_seconds{mode}``: the successful attempt, start to verified copy;
+* ``handoff_seconds``: end to end, ``submit`` to the completion queued for decode;
+* ``transfer_throughput_gbps{mode}``: per delivered transfer, bytes / transfer_seconds.
+"""
+
+from __future__ import annotations
+
+import threading
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    start_http_server,
+)
+
+_LATENCY_BUCKETS = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+)
+_GBPS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 512.0)
+
+
+class RelayMetrics:
+    """The relay's counters, gauges and histograms in their own registry."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.transfers = Counter(
+            "topkv_transfers", "Finished transfers", ["mode", "outcome"], registry=r
+        )
+        self.bytes = Counter(
+            "topkv_transfer_bytes", "Bytes delivered (verified)", ["mode"], registry=r
+        )
+        self.in_flight = Gauge(
+            "topkv_transfers_in_flight", "Transfers holding a concurrency slot", registry=r
+        )
+        self.queued = Gauge(
+            "topkv_transfers_queued", "Transfers waiting for a concurrency slot", registry=r
+        )
+        self.retries = Counter("topkv_transfer_retries", "Retries on the same path", registry=r)
+        self.checksum_failures = Counter(
+            "topkv_checksum_failures", "Attempts that delivered corrupted bytes", registry=r
+        )
+        self.failovers = Counter(
+            "topkv_transfer_failovers", "Failovers to the next transport", registry=r
+        )
+        self.reroutes = Counter(
+            "topkv_transfer_reroutes", "Reroutes to another decode worker", registry=r
+        )
+        self.attempt_failures = Counter(
+            "topkv_transfer_attempt_failures", "Failed attempts by reason", ["kind"], registry=r
+        )
+        self.transfer_seconds = Histogram(
+            "topkv_transfer_seconds",
+            "Successful attempt: start to verified copy at the destination",
+            ["mode"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.handoff_seconds = Histogram(
+            "topkv_handoff_seconds",
+            "End to end: submit to the verified KV handed to decode",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.throughput = Histogram(
+            "topkv_transfer_throughput_gbps",
+            "Per delivered transfer: decimal GB/s over the successful attempt",
+            ["mode"],
+            buckets=_GBPS_BUCKETS,
+            registry=r,
+        )
+
+    def exposition(self) -> bytes:
+        """The text exposition format (what ``/metrics`` returns)."""
+        return generate_latest(self.registry)
+
+    def value(self, name: str, labels: dict[str, str] | None = None) -> float:
+        """Current value of one sample (0.0 when it was never set): for tests and reports."""
+        found = self.registry.get_sample_value(name, labels or {})
+        return float(found) if found is not None else 0.0
+
+
+class MetricsServer:
+    """``/metrics`` over HTTP on its own thread (prometheus_client's server)."""
+
+    def __init__(self, server: WSGIServer, thread: threading.Thread) -> None:
+        self._server = server
+        self._thread = thread
+
+    @property
+    def port(self) -> int:
+        return int(self._server.server_address[1])
+
+    @property
+    def url(self) -> str:
+        host = str(self._server.server_address[0])
+        return f"http://{host}:{self.port}/metrics"
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
+
+
+def serve_metrics(metrics: RelayMetrics, host: str = "127.0.0.1", port: int = 0) -> MetricsServer:
+    """Serve ``metrics`` at ``http://host:port/metrics`` (port 0 picks a free one)."""
+    server, thread = start_http_server(port, addr=host, registry=metrics.registry)
+    return MetricsServer(server, thread)
