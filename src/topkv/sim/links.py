@@ -64,7 +64,13 @@ class Link:
 
 
 class Flow:
-    """Bytes moving over a path; ``on_done`` runs when the last byte arrives."""
+    """Bytes moving over a path; ``on_done`` runs when the last byte arrives.
+
+    A flow may be a *bundle* of identical parallel shards (the TP shards of one KV
+    transfer): ``links`` then concatenates the shards' paths, a link appearing once per
+    shard that crosses it, and ``rate``/``remaining`` are per shard. The shards move in
+    lockstep at the rate of the most constrained one, which is when the transfer completes.
+    """
 
     __slots__ = ("cap", "last_t", "links", "nbytes", "on_done", "rate", "remaining", "version")
 
@@ -219,8 +225,11 @@ class LinkNetwork:
         for link in links:
             self._account(link, now)
             link._rem = link.capacity
-            link._cnt = len(link.flows)
+            link._cnt = 0
             link.allocated = 0.0
+        for flow in flows:  # a link listed k times in a bundle's path counts k times
+            for link in flow.links:
+                link._cnt += 1
         # progressive filling
         unfrozen = set(flows)
         while unfrozen:

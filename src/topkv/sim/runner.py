@@ -41,7 +41,7 @@ from topkv.sim.cluster import ClusterSpec, Instance, LinkMap, SimCluster, SimGPU
 from topkv.sim.compute import ComputeModel, default_tp, get_gpu
 from topkv.sim.engine import EventLoop, make_loop
 from topkv.sim.errors import SimError
-from topkv.sim.links import Flow, LinkNetwork, UtilizationSeries
+from topkv.sim.links import Flow, Link, LinkNetwork, UtilizationSeries
 from topkv.sim.workload import Request, Workload
 
 POLICIES: tuple[str, ...] = ("uniform-rdma", "paper", "cost")
@@ -94,7 +94,6 @@ class _Req:
         "prefill_end",
         "prefill_start",
         "req",
-        "shards_left",
         "transport",
         "ttft",
         "xfer_end",
@@ -113,7 +112,6 @@ class _Req:
         self.exposed = math.nan
         self.transport = ""
         self.kv_bytes = 0
-        self.shards_left = 0
         self.mem = 0.0
         self.path: PathCandidate | None = None
         self.decode: _Decode | None = None
@@ -440,32 +438,26 @@ class Simulation:
             r.path = path
             r.xfer_start = now
             shard = r.kv_bytes // self.tp
-            specs = []
+            bundle: list[Link] = []
             for k in range(self.tp):
                 if k == 0:
                     links = path.links
                 else:
                     view = self.cluster.pair_view(inst.gpus[k], d.inst.gpus[k])
                     links = view.paths_for(transport)[0].links
-                setup_bytes = chunks * path.setup_latency_s * path.bandwidth_gbps * 1e9
-                specs.append((shard + setup_bytes, self.links.path(links), self._shard_done(r)))
-            r.shards_left = len(specs)
+                bundle.extend(self.links.path(links))
+            setup_bytes = chunks * path.setup_latency_s * path.bandwidth_gbps * 1e9
+            spec = (shard + setup_bytes, tuple(bundle), self._transfer_done(r))
             if prefill_s > 0:
-                cap = specs[0][0] / prefill_s
-                capped.extend(self.network.start_flows(specs, cap=cap))
+                capped.extend(self.network.start_flows([spec], cap=spec[0] / prefill_s))
             else:
-                self.network.start_flows(specs)
+                self.network.start_flows([spec])
         if capped:
             remaining = prefill_s - prefill_s / self.layers
             self.loop.call_at(now + remaining, self.network.set_cap, capped, math.inf)
 
-    def _shard_done(self, r: _Req) -> Callable[[], None]:
-        def done() -> None:
-            r.shards_left -= 1
-            if r.shards_left == 0:
-                self._kv_arrived(r)
-
-        return done
+    def _transfer_done(self, r: _Req) -> Callable[[], None]:
+        return lambda: self._kv_arrived(r)
 
     def _kv_arrived(self, r: _Req) -> None:
         now = self.loop.now()
