@@ -15,6 +15,8 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from topkv.sim.engine import EventLoop
 from topkv.sim.errors import SimError
 
@@ -305,12 +307,19 @@ class LinkNetwork:
             done.on_done()
 
     def utilization(self, horizon_s: float) -> list[UtilizationSeries]:
-        """Utilization per link per bin up to ``horizon_s`` (call after the run)."""
+        """Utilization per bin up to ``horizon_s`` of every link that carried bytes.
+
+        Call after the run; links that never carried a byte are left out.
+        """
         nbins = max(1, math.ceil(horizon_s / self.bin_s))
         out: list[UtilizationSeries] = []
         for link in self.links:
-            self._account(link, min(horizon_s, max(link._last_t, horizon_s)))
-            values = [b / (link.capacity * self.bin_s) for b in link.bins[:nbins]]
-            values.extend([0.0] * (nbins - len(values)))
-            out.append(UtilizationSeries(link.name, link.kind, self.bin_s, tuple(values)))
+            self._account(link, max(link._last_t, horizon_s))
+            if link.bytes_carried <= 0:
+                continue
+            values = np.zeros(nbins)
+            used = link.bins[:nbins]
+            values[: len(used)] = used
+            values /= link.capacity * self.bin_s
+            out.append(UtilizationSeries(link.name, link.kind, self.bin_s, tuple(values.tolist())))
         return out
