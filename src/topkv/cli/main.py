@@ -22,6 +22,7 @@ COMMAND_MODULES: list[str] = [
     "select",
     "sim",
     "bench",
+    "chaos",
 ]
 
 _typer_app = typer.Typer(

@@ -762,22 +762,26 @@ class Orchestrator:
         completion = self._completion(record, Outcome.DELIVERED, None, "")
         completions = self._completions
         assert completions is not None
+        # The decode slot now belongs to the delivered KV (until release_decode_slot).
+        if run.slot_holder is not None:
+            self._slot_of[record.request_id] = run.slot_holder
+            run.slot_holder = None
         try:
             await asyncio.wait_for(
                 completions.put(completion), self.config.completion_put_timeout_s
             )
-        except TimeoutError:
-            await self._discard(destination, record.request_id)
-            raise _Exhausted(
-                FailureKind.COMPLETION_QUEUE_FULL,
-                f"completion queue stayed full for {self.config.completion_put_timeout_s} s",
-            ) from None
+        except BaseException as exc:
+            run.slot_holder = self._slot_of.pop(record.request_id, None)
+            await asyncio.shield(self._discard(destination, record.request_id))
+            if isinstance(exc, TimeoutError):
+                raise _Exhausted(
+                    FailureKind.COMPLETION_QUEUE_FULL,
+                    f"completion queue stayed full for {self.config.completion_put_timeout_s} s",
+                ) from None
+            raise
         # The destination acknowledged a verified copy and decode can take it: only now
         # may the source let go of its KV.
         await self._release_source(source, record.request_id)
-        if run.slot_holder is not None:
-            self._slot_of[record.request_id] = run.slot_holder
-            run.slot_holder = None
         mode = record.transport or "none"
         record.outcome = Outcome.DELIVERED
         record.ended_at = self.clock.now()
