@@ -69,7 +69,8 @@ def test_disaggregated_tokens_equal_reference(
 
 def test_reference_matches_transformers_generate(demo: LoadedModel) -> None:
     ids = prompt_token_ids(50, 9, demo.config.vocab_size)
-    out = demo.model.generate(
+    model: Any = demo.model
+    out = model.generate(
         torch.tensor([ids]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False
     )
     assert reference_generate(demo, ids, NEW_TOKENS) == out[0, len(ids) :].tolist()
@@ -142,7 +143,8 @@ def test_published_kv_is_the_models_own_cache_in_wire_layout(demo: LoadedModel) 
     with torch.inference_mode():
         demo.model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True)
     for i, (k, v) in published.items():
-        hf_k, hf_v = cache.layers[i].keys, cache.layers[i].values
+        layer: Any = cache.layers[i]
+        hf_k, hf_v = layer.keys, layer.values
         assert hf_k is not None and hf_v is not None
         for s in (0, 17, 32):
             for h in range(k.shape[1]):

@@ -56,8 +56,8 @@ def prefill_worker(seed: int, layer_out: Connection, report: Connection) -> None
         def on_layer(index: int, k: torch.Tensor, v: torch.Tensor) -> None:
             k_np, v_np = layer_to_numpy(k, v)
             layer_out.send(index)
-            layer_out.send_bytes(memoryview(k_np).cast("B"))  # zero-copy send
-            layer_out.send_bytes(memoryview(v_np).cast("B"))
+            layer_out.send_bytes(k_np.data.cast("B"))  # zero-copy send of the array's buffer
+            layer_out.send_bytes(v_np.data.cast("B"))
 
         result = PrefillRunner(loaded).run(ids, on_layer)
         layer_out.send(("first_token", result.first_token))
@@ -78,8 +78,9 @@ def decode_worker(seed: int, layer_in: Connection, report: Connection) -> None:
                 raise AssertionError(f"layer {index} arrived, expected {expected_index}")
             k, v = _recv_bytes(layer_in), _recv_bytes(layer_in)
             layers.append(arrays_from_bytes(spec, length, k, v))
-        tag, first_token = _recv(layer_in)  # type: ignore[misc]
-        assert tag == "first_token"
+        message = _recv(layer_in)
+        assert isinstance(message, tuple) and message[0] == "first_token"
+        first_token = int(message[1])
         report.send(DecodeRunner(loaded).generate(layers, first_token, length, NEW_TOKENS))
 
 
