@@ -32,7 +32,7 @@ def _continue_greedy(
     tokens = [first_token]
     with torch.inference_mode():
         while len(tokens) < max_new_tokens:
-            step = torch.tensor([[tokens[-1]]], dtype=torch.long)
+            step = torch.tensor([[tokens[-1]]], dtype=torch.long, device=loaded.device)
             output = loaded.model(input_ids=step, cache=cache, use_cache=True, logits_to_keep=1)
             tokens.append(greedy_token(output.logits))
     return tokens
@@ -48,7 +48,9 @@ def build_cache(
     for index, (k, v) in enumerate(layers):
         check_layer(spec, index, prompt_len, k, v)
     return DynamicCache(
-        ddp_cache_data=[(wire_to_hf(k), wire_to_hf(v)) for k, v in layers],
+        ddp_cache_data=[
+            (wire_to_hf(k).to(loaded.device), wire_to_hf(v).to(loaded.device)) for k, v in layers
+        ],
         config=loaded.config,
     )
 
@@ -92,6 +94,8 @@ def reference_generate(
     check_token_ids(loaded, ids)
     cache = DynamicCache(config=loaded.config)
     with torch.inference_mode():
-        output = loaded.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+        output = loaded.model(
+            input_ids=ids.to(loaded.device), cache=cache, use_cache=True, logits_to_keep=1
+        )
         first_token = greedy_token(output.logits)
     return _continue_greedy(loaded, cache, first_token, max_new_tokens)

@@ -49,6 +49,11 @@ class LoadedModel:
         return self.model.config
 
     @property
+    def device(self) -> torch.device:
+        """Where the weights live (the CPU unless the caller moved the model)."""
+        return next(self.model.parameters()).device
+
+    @property
     def decoder_layers(self) -> torch.nn.ModuleList:
         """The decoder layers, in forward order."""
         model: Any = self.model

@@ -152,7 +152,12 @@ class PrefillRunner:
         try:
             with torch.inference_mode():
                 forward_start = time.perf_counter()
-                output = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+                output = model(
+                    input_ids=ids.to(self.loaded.device),
+                    cache=cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
                 first_token = greedy_token(output.logits)
                 forward_end = time.perf_counter()
         finally:
