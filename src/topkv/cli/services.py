@@ -1,0 +1,295 @@
+"""``topkv orchestrator``, ``topkv worker``, ``topkv cluster up`` and ``topkv status``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import socket
+import threading
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from topkv.errors import ConfigError
+from topkv.relay.orchestrator import OrchestratorConfig, RetryPolicy
+from topkv.relay.workers import WorkerCapabilities
+from topkv.service.client import OrchestratorClient
+from topkv.service.errors import ServiceError
+
+DEFAULT_PORT = 8470
+ORCHESTRATOR_ENV = "TOPKV_ORCHESTRATOR"
+
+
+def _logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+
+
+async def _until_signalled(main: object) -> None:
+    """Run ``main(stop)`` until SIGINT/SIGTERM sets ``stop``."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await main(stop)  # type: ignore[operator]
+
+
+def orchestrator_command(
+    host: str = typer.Option("127.0.0.1", help="address to listen on"),
+    port: int = typer.Option(DEFAULT_PORT, help="HTTP port (0 picks a free one)"),
+    registry: str = typer.Option("memory", help="memory | etcd://HOST:PORT"),
+    topology: Path | None = typer.Option(None, help="topology JSON from `topkv discover --json`"),
+    max_in_flight: int = typer.Option(100, help="concurrent transfers"),
+    queue_size: int = typer.Option(1000, help="bounded submission queue"),
+    attempt_timeout: float = typer.Option(30.0, help="seconds per transfer attempt"),
+    retries: int = typer.Option(2, help="retries of one path after checksum failure/timeout"),
+    backoff: float = typer.Option(0.1, help="first retry backoff in seconds (doubles)"),
+    ready_file: Path | None = typer.Option(None, help="write {url, pid} here once serving"),
+    log_level: str = typer.Option("warning", help="debug | info | warning | error"),
+) -> None:
+    """Run the orchestrator: HTTP API, registry, relay, /metrics."""
+    from topkv.service.http_api import OrchestratorServiceConfig, serve_orchestrator
+    from topkv.service.httputil import write_ready_file
+
+    _logging(log_level)
+    config = OrchestratorServiceConfig(
+        registry=registry,
+        topology_file=topology,
+        relay=OrchestratorConfig(
+            max_in_flight=max_in_flight,
+            queue_size=queue_size,
+            attempt_timeout_s=attempt_timeout,
+            retry=RetryPolicy(max_retries=retries, backoff_s=backoff),
+        ),
+    )
+
+    async def main(stop: asyncio.Event) -> None:
+        ready: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+
+        async def announce() -> None:
+            url = await ready
+            if ready_file is not None:
+                write_ready_file(ready_file, {"url": url, "pid": os.getpid()})
+            typer.echo(f"topkv orchestrator on {url} (registry {registry})", err=True)
+
+        announcer = asyncio.create_task(announce())
+        try:
+            await serve_orchestrator(config, host, port, stop, ready)
+        finally:
+            announcer.cancel()
+
+    asyncio.run(_until_signalled(main))
+
+
+def worker_command(
+    role: str = typer.Option(..., help="prefill | decode"),
+    node: str = typer.Option("", help="node name (default: this host's name)"),
+    gpu: list[int] = typer.Option([0], help="GPU index (repeat for several)"),
+    orchestrator: str = typer.Option("", help="orchestrator URL (embedded registry)"),
+    registry: str = typer.Option("", help="etcd://HOST:PORT to register in etcd directly"),
+    host: str = typer.Option("127.0.0.1", help="address the endpoints listen on"),
+    advertise_host: str = typer.Option("", help="address peers use (default: --host)"),
+    port: int = typer.Option(0, help="control API port (0 picks a free one)"),
+    worker_id: str = typer.Option("", help="default: ROLE-NODE-gpuI"),
+    host_id: str = typer.Option("", help="OS host identity; equal ids may use shm"),
+    capacity: int = typer.Option(8, help="KV caches held at once"),
+    ttl: float = typer.Option(10.0, help="registry lease seconds (heartbeat every ttl/3)"),
+    nvlink_domain: str = typer.Option("", help="NVLink domain id, if any"),
+    nvlink: bool = typer.Option(False, help="advertise NVLink"),
+    rdma: bool = typer.Option(False, help="advertise RDMA"),
+    shm: bool = typer.Option(True, help="serve a shared-memory sink"),
+    secret_file: Path | None = typer.Option(
+        None, help="transport secret file (else $TOPKV_SECRET)"
+    ),
+    ready_file: Path | None = typer.Option(None, help="write endpoints here once registered"),
+    log_level: str = typer.Option("warning", help="debug | info | warning | error"),
+) -> None:
+    """Run a worker: transfer endpoints (tcp, shm), KV buffers, control API, heartbeat."""
+    from topkv.service.worker import SECRET_ENV, WorkerConfig, serve_worker
+
+    _logging(log_level)
+    if role not in ("prefill", "decode"):
+        raise ConfigError(f"--role must be prefill or decode, not {role!r}")
+    if secret_file is not None:
+        try:
+            secret = secret_file.read_bytes().strip()
+        except OSError as exc:
+            raise ConfigError(f"cannot read --secret-file {secret_file}: {exc.strerror}") from None
+    else:
+        secret = os.environ.get(SECRET_ENV, "").encode()
+    config = WorkerConfig(
+        role="prefill" if role == "prefill" else "decode",
+        node=node or socket.gethostname(),
+        secret=secret,
+        gpus=tuple(gpu),
+        worker_id=worker_id,
+        host_id=host_id,
+        orchestrator_url=orchestrator,
+        registry_url=registry,
+        bind_host=host,
+        advertise_host=advertise_host,
+        control_port=port,
+        capacity=capacity,
+        ttl_s=ttl,
+        nvlink_domain=nvlink_domain or None,
+        capabilities=WorkerCapabilities(nvlink=nvlink, rdma=rdma, shm=shm),
+        ready_file=ready_file,
+    )
+
+    async def main(stop: asyncio.Event) -> None:
+        await serve_worker(config, stop)
+
+    asyncio.run(_until_signalled(main))
+
+
+def cluster_up_command(
+    prefill: int = typer.Option(1, help="prefill workers"),
+    decode: int = typer.Option(1, help="decode workers"),
+    registry: str = typer.Option("memory", help="memory | etcd://HOST:PORT"),
+    topology: Path | None = typer.Option(None, help="topology JSON for the orchestrator"),
+    host: str = typer.Option("127.0.0.1", help="orchestrator address"),
+    port: int = typer.Option(DEFAULT_PORT, help="orchestrator port (0 picks a free one)"),
+    ttl: float = typer.Option(5.0, help="worker lease seconds"),
+    capacity: int = typer.Option(8, help="KV caches each worker holds at once"),
+    smoke: int = typer.Option(0, help="submit K transfers, print the results and exit"),
+    smoke_layers: int = typer.Option(4, help="smoke KV: layers"),
+    smoke_tokens: int = typer.Option(256, help="smoke KV: tokens"),
+    json_output: bool = typer.Option(False, "--json", help="machine-readable output"),
+    run_dir: Path | None = typer.Option(None, help="logs and ready files (default: temp dir)"),
+) -> None:
+    """Start an orchestrator and N + M workers as real processes (Ctrl-C stops them all)."""
+    from topkv.service.cluster import ClusterConfig, LocalCluster, SmokeLayout, run_smoke
+
+    console = Console()
+    cluster = LocalCluster(
+        ClusterConfig(
+            prefill=prefill,
+            decode=decode,
+            registry=registry,
+            topology=topology,
+            host=host,
+            port=port,
+            ttl_s=ttl,
+            capacity=capacity,
+        ),
+        run_dir,
+    )
+    stop = threading.Event()
+    previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        cluster.start()
+        described = cluster.describe()
+        if smoke:
+            report = run_smoke(
+                cluster.client(), smoke, SmokeLayout(layers=smoke_layers, tokens=smoke_tokens)
+            )
+            if json_output:
+                typer.echo(json.dumps({"cluster": described, "smoke": report}, indent=2))
+            else:
+                _print_cluster(console, described)
+                _print_smoke(console, report)
+            ok = report["delivered"] == report["submitted"] == report["verified"]
+            raise typer.Exit(0 if ok else 1)
+        if json_output:
+            typer.echo(json.dumps(described, indent=2))
+        else:
+            _print_cluster(console, described)
+            console.print("Ctrl-C or SIGTERM stops every process.")
+        try:
+            while not stop.wait(0.5):
+                dead = [n for n, p in cluster.workers.items() if not p.alive()]
+                if cluster.orchestrator is not None and not cluster.orchestrator.alive():
+                    raise ServiceError("the orchestrator exited; stopping the cluster")
+                for name in dead:
+                    console.print(f"[yellow]{name} exited[/yellow]")
+                    cluster.workers.pop(name)
+        except KeyboardInterrupt:
+            pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        cluster.stop()
+
+
+def _print_cluster(console: Console, described: dict[str, object]) -> None:
+    orch = described["orchestrator"]
+    assert isinstance(orch, dict)
+    console.print(
+        f"orchestrator [bold]{orch['url']}[/bold] (pid {orch['pid']}, registry {orch['registry']})"
+    )
+    table = Table(title="Workers", title_justify="left")
+    for column in ("worker", "role", "pid", "control", "tcp", "shm"):
+        table.add_column(column)
+    workers = described["workers"]
+    assert isinstance(workers, list)
+    for w in workers:
+        table.add_row(
+            str(w["worker_id"]),
+            str(w["role"]),
+            str(w["pid"]),
+            str(w["control_url"]),
+            str(w["tcp"]),
+            str(w["shm"]),
+        )
+    console.print(table)
+    console.print(f"logs: {described['logs']}")
+
+
+def _print_smoke(console: Console, report: dict[str, object]) -> None:
+    table = Table(title="Smoke transfers", title_justify="left")
+    for column in ("request", "state", "source -> destination", "path", "medium", "seconds"):
+        table.add_column(column)
+    table.add_column("verified")
+    results = report["results"]
+    assert isinstance(results, list)
+    for r in results:
+        seconds = r["transfer_seconds"]
+        table.add_row(
+            str(r["request_id"]),
+            r["state"],
+            f"{r['source']} -> {r['destination']}",
+            str(r["transport"]),
+            str(r["medium"]) + (" (emulated)" if r["emulated"] else ""),
+            f"{seconds:.4f}" if seconds is not None else "-",
+            "yes" if r["verified"] else f"no {r['reason']}",
+        )
+    console.print(table)
+    console.print(
+        f"submitted {report['submitted']}, delivered {report['delivered']}, "
+        f"verified {report['verified']}, failed {report['failed']}"
+    )
+
+
+def status_command(
+    orchestrator: str = typer.Option(
+        "", help=f"orchestrator URL (default ${ORCHESTRATOR_ENV} or http://127.0.0.1:8470)"
+    ),
+    limit: int = typer.Option(50, help="transfers to list"),
+    json_output: bool = typer.Option(False, "--json", help="machine-readable output"),
+) -> None:
+    """Show the orchestrator's workers and transfers."""
+    from topkv.service.status import render_status
+
+    url = orchestrator or os.environ.get(ORCHESTRATOR_ENV, f"http://127.0.0.1:{DEFAULT_PORT}")
+    client = OrchestratorClient(url)
+    workers = client.workers()
+    listing = client.transfers(limit)
+    if json_output:
+        typer.echo(json.dumps({"workers": workers, "transfers": listing}, indent=2))
+        return
+    Console().print(render_status(workers, listing))
+
+
+def register(app: typer.Typer) -> None:
+    app.command("orchestrator")(orchestrator_command)
+    app.command("worker")(worker_command)
+    app.command("status")(status_command)
+    cluster = typer.Typer(help="Run a local cluster of real processes.", no_args_is_help=True)
+    cluster.command("up")(cluster_up_command)
+    app.add_typer(cluster, name="cluster")

@@ -1,0 +1,416 @@
+"""A local cluster of real processes: one orchestrator plus prefill and decode workers.
+
+:class:`Supervisor` starts processes and always stops them: each child gets
+``PR_SET_PDEATHSIG`` (it is sent SIGTERM if the supervisor dies, even by SIGKILL), and
+:meth:`Supervisor.stop_all` sends SIGTERM, waits, then SIGKILLs stragglers. Each child
+writes a *ready file* (JSON with its URLs) once it serves, so the supervisor never guesses
+ports: every process binds port 0 unless told otherwise.
+
+A process may run in a network namespace (``ip netns exec NS ...``), which is how the
+multi-host test puts workers on different "hosts" of one machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from topkv.service.client import OrchestratorClient
+from topkv.service.errors import ClusterError, ServiceError
+from topkv.service.worker import SECRET_ENV
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
+def topkv_command(*args: str) -> list[str]:
+    """argv running ``topkv ARGS`` with this interpreter (no reliance on PATH)."""
+    return [sys.executable, "-c", "from topkv.cli.main import app; app()", *args]
+
+
+@dataclass(frozen=True)
+class ProcessSpec:
+    name: str
+    argv: list[str]
+    ready_file: Path
+    netns: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class ManagedProcess:
+    spec: ProcessSpec
+    popen: subprocess.Popen[bytes]
+    log_path: Path
+    ready: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            text = self.log_path.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+class Supervisor:
+    """Starts processes, waits for them to be ready, and stops every one of them."""
+
+    def __init__(self, run_dir: Path, *, ready_timeout_s: float = 30.0, grace_s: float = 5.0):
+        self.run_dir = run_dir
+        self.ready_timeout_s = ready_timeout_s
+        self.grace_s = grace_s
+        self.processes: list[ManagedProcess] = []
+        run_dir.mkdir(parents=True, exist_ok=True)
+
+    def start(self, spec: ProcessSpec) -> ManagedProcess:
+        """Launch ``spec`` (without waiting; see :meth:`wait_ready`)."""
+        argv = list(spec.argv)
+        if spec.netns is not None:
+            argv = ["ip", "netns", "exec", spec.netns, *argv]
+        log_path = self.run_dir / f"{spec.name}.log"
+        with contextlib.suppress(FileNotFoundError):
+            spec.ready_file.unlink()
+        with open(log_path, "wb") as log:
+            try:
+                popen = subprocess.Popen(
+                    argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env={**os.environ, **spec.env},
+                    preexec_fn=_die_with_parent,
+                )
+            except OSError as exc:
+                raise ClusterError(f"cannot start {spec.name} ({argv[0]}): {exc}") from None
+        process = ManagedProcess(spec, popen, log_path)
+        self.processes.append(process)
+        return process
+
+    def wait_ready(self, process: ManagedProcess) -> dict[str, Any]:
+        """Block until the process wrote its ready file; raise with its log if it died."""
+        deadline = time.monotonic() + self.ready_timeout_s
+        path = process.spec.ready_file
+        while True:
+            if path.exists():
+                with contextlib.suppress(json.JSONDecodeError, OSError):
+                    process.ready = json.loads(path.read_text(encoding="utf-8"))
+                    return process.ready
+            if not process.alive():
+                raise ClusterError(
+                    f"{process.spec.name} exited with status {process.popen.returncode} "
+                    f"before it was ready; its log ends:\n{process.log_tail()}"
+                )
+            if time.monotonic() > deadline:
+                raise ClusterError(
+                    f"{process.spec.name} not ready after {self.ready_timeout_s} s; "
+                    f"its log ends:\n{process.log_tail()}"
+                )
+            time.sleep(0.02)
+
+    def stop(self, process: ManagedProcess, sig: int = signal.SIGTERM) -> int:
+        """Stop one process (``sig`` first, SIGKILL after the grace period); its status."""
+        if process.alive():
+            with contextlib.suppress(ProcessLookupError):
+                process.popen.send_signal(sig)
+            try:
+                process.popen.wait(timeout=self.grace_s)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    process.popen.kill()
+                process.popen.wait(timeout=self.grace_s)
+        return int(process.popen.returncode)
+
+    def kill(self, process: ManagedProcess) -> None:
+        """SIGKILL (a crash, for fault tests) and reap."""
+        with contextlib.suppress(ProcessLookupError):
+            process.popen.kill()
+        process.popen.wait(timeout=self.grace_s)
+
+    def stop_all(self) -> None:
+        """Stop every process, newest first (workers before the orchestrator)."""
+        for process in reversed(self.processes):
+            if process.alive():
+                with contextlib.suppress(ProcessLookupError):
+                    process.popen.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.grace_s
+        for process in reversed(self.processes):
+            remaining = max(deadline - time.monotonic(), 0.01)
+            try:
+                process.popen.wait(timeout=remaining)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    process.popen.kill()
+                process.popen.wait(timeout=self.grace_s)
+
+    def __enter__(self) -> Supervisor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop_all()
+
+
+@dataclass(frozen=True)
+class WorkerPlacement:
+    """Where one worker runs: its role, node name, GPU, and optionally a namespace."""
+
+    role: str
+    node: str
+    gpu: int
+    netns: str | None = None
+    host_id: str | None = None
+    bind_host: str = "127.0.0.1"
+
+
+@dataclass
+class ClusterConfig:
+    prefill: int = 1
+    decode: int = 1
+    registry: str = "memory"
+    topology: Path | None = None
+    host: str = "127.0.0.1"
+    port: int = 0
+    ttl_s: float = 5.0
+    capacity: int = 8
+    node: str = ""
+    placements: Sequence[WorkerPlacement] | None = None
+    orchestrator_netns: str | None = None
+    attempt_timeout_s: float = 30.0
+    extra_orchestrator_args: Sequence[str] = ()
+
+    def worker_placements(self) -> list[WorkerPlacement]:
+        if self.placements is not None:
+            return list(self.placements)
+        node = self.node or os.uname().nodename
+        roles = ["prefill"] * self.prefill + ["decode"] * self.decode
+        return [WorkerPlacement(role, node, gpu) for gpu, role in enumerate(roles)]
+
+
+class LocalCluster:
+    """Orchestrator + workers as real processes under one :class:`Supervisor`."""
+
+    def __init__(self, config: ClusterConfig, run_dir: Path | None = None) -> None:
+        if config.prefill < 0 or config.decode < 0:
+            raise ClusterError("--prefill and --decode must be >= 0")
+        self.config = config
+        self._tmp = None if run_dir is not None else tempfile.TemporaryDirectory(prefix="topkv-")
+        self.run_dir = run_dir if run_dir is not None else Path(self._tmp.name)  # type: ignore[union-attr]
+        self.supervisor = Supervisor(self.run_dir)
+        self.secret = secrets.token_hex(32)
+        self.orchestrator_url = ""
+        self.orchestrator: ManagedProcess | None = None
+        self.workers: dict[str, ManagedProcess] = {}
+
+    def start(self, wait_s: float = 60.0) -> None:
+        cfg = self.config
+        try:
+            ready = self.run_dir / "orchestrator.ready.json"
+            args = [
+                "orchestrator",
+                "--host",
+                cfg.host,
+                "--port",
+                str(cfg.port),
+                "--registry",
+                cfg.registry,
+                "--ready-file",
+                str(ready),
+                "--attempt-timeout",
+                str(cfg.attempt_timeout_s),
+                *cfg.extra_orchestrator_args,
+            ]
+            if cfg.topology is not None:
+                args += ["--topology", str(cfg.topology)]
+            self.orchestrator = self.supervisor.start(
+                ProcessSpec("orchestrator", topkv_command(*args), ready, cfg.orchestrator_netns)
+            )
+            self.orchestrator_url = str(self.supervisor.wait_ready(self.orchestrator)["url"])
+            placements = cfg.worker_placements()
+            for index, placement in enumerate(placements):
+                self.start_worker(placement, index)
+            for process in self.workers.values():
+                self.supervisor.wait_ready(process)
+            roles = [p.role for p in placements]
+            OrchestratorClient(self.orchestrator_url).wait_workers(
+                roles.count("prefill"), roles.count("decode"), wait_s
+            )
+        except BaseException:
+            self.stop()
+            raise
+
+    def start_worker(self, placement: WorkerPlacement, index: int) -> ManagedProcess:
+        cfg = self.config
+        name = f"{placement.role}-{index}"
+        ready = self.run_dir / f"{name}.ready.json"
+        args = [
+            "worker",
+            "--role",
+            placement.role,
+            "--node",
+            placement.node,
+            "--gpu",
+            str(placement.gpu),
+            "--worker-id",
+            f"{placement.role}-{placement.node}-gpu{placement.gpu}",
+            "--host",
+            placement.bind_host,
+            "--ttl",
+            str(cfg.ttl_s),
+            "--capacity",
+            str(cfg.capacity),
+            "--ready-file",
+            str(ready),
+        ]
+        if placement.host_id:
+            args += ["--host-id", placement.host_id]
+        if cfg.registry.startswith("etcd://"):
+            args += ["--registry", cfg.registry]
+        else:
+            args += ["--orchestrator", self.orchestrator_url]
+        spec = ProcessSpec(
+            name, topkv_command(*args), ready, placement.netns, env={SECRET_ENV: self.secret}
+        )
+        process = self.supervisor.start(spec)
+        self.workers[name] = process
+        return process
+
+    def stop(self) -> None:
+        self.supervisor.stop_all()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def client(self) -> OrchestratorClient:
+        if not self.orchestrator_url:
+            raise ClusterError("the cluster is not started")
+        return OrchestratorClient(self.orchestrator_url)
+
+    def describe(self) -> dict[str, Any]:
+        """Where everything runs (what ``topkv cluster up`` prints)."""
+        return {
+            "orchestrator": {
+                "url": self.orchestrator_url,
+                "pid": self.orchestrator.pid if self.orchestrator else None,
+                "registry": self.config.registry,
+            },
+            "workers": [
+                {
+                    "name": name,
+                    "pid": p.pid,
+                    "worker_id": p.ready.get("worker_id"),
+                    "role": p.ready.get("role"),
+                    "control_url": p.ready.get("control_url"),
+                    "tcp": p.ready.get("tcp"),
+                    "shm": p.ready.get("shm"),
+                    "host_id": p.ready.get("host_id"),
+                }
+                for name, p in self.workers.items()
+            ],
+            "logs": str(self.run_dir),
+        }
+
+    def __enter__(self) -> LocalCluster:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@dataclass(frozen=True)
+class SmokeLayout:
+    layers: int = 4
+    tokens: int = 256
+    kv_heads: int = 8
+    head_dim: int = 128
+    dtype: str = "fp16"
+
+    def as_json(self) -> dict[str, object]:
+        return {
+            "num_layers": self.layers,
+            "seq_len": self.tokens,
+            "kv_heads": self.kv_heads,
+            "head_dim": self.head_dim,
+            "dtype": self.dtype,
+        }
+
+
+def run_smoke(
+    client: OrchestratorClient,
+    count: int,
+    layout: SmokeLayout,
+    *,
+    model: str = "smoke",
+    first_id: int = 1,
+    timeout_s: float = 60.0,
+    sources: Sequence[str] | None = None,
+) -> dict[str, Any]:
+    """Submit ``count`` requests, wait for each, and report what happened to every one."""
+    if count < 1:
+        raise ServiceError(f"--smoke needs a positive count, got {count}")
+    submitted: list[int] = []
+    for n in range(count):
+        rid = first_id + n
+        source = sources[n % len(sources)] if sources else None
+        client.submit(request_id=rid, model=model, layout=layout.as_json(), source=source)
+        submitted.append(rid)
+    results = [client.wait_done(rid, timeout_s) for rid in submitted]
+    delivered = [r for r in results if r["state"] == "delivered"]
+    verified = [r for r in delivered if (r.get("decode_check") or {}).get("matches_source")]
+    return {
+        "submitted": len(submitted),
+        "delivered": len(delivered),
+        "verified": len(verified),
+        "failed": sum(1 for r in results if r["state"] == "failed"),
+        "cancelled": sum(1 for r in results if r["state"] == "cancelled"),
+        "bytes_each": results[0]["size_bytes"] if results else 0,
+        "results": [
+            {
+                "request_id": r["request_id"],
+                "state": r["state"],
+                "source": r["source"],
+                "destination": r["destination"],
+                "transport": r["transport"],
+                "medium": r["medium"],
+                "emulated": r["emulated"],
+                "transfer_seconds": r["transfer_seconds"],
+                "attempts": len(r["attempts"]),
+                "verified": bool((r.get("decode_check") or {}).get("matches_source")),
+                "reason": r["reason"],
+            }
+            for r in results
+        ],
+    }
+
+
+@contextlib.contextmanager
+def running_cluster(config: ClusterConfig, run_dir: Path | None = None) -> Iterator[LocalCluster]:
+    cluster = LocalCluster(config, run_dir)
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()

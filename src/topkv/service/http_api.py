@@ -1,0 +1,485 @@
+"""The orchestrator as a service: an aiohttp app around :class:`topkv.relay.Orchestrator`.
+
+Endpoints (full reference with bodies in ``docs/services.md``; schema at ``/openapi.json``):
+
+* ``POST /v1/requests`` submit, ``GET /v1/requests/{id}`` status, ``DELETE`` abort;
+* ``GET /v1/transfers`` the active-transfer registry (plus recent history);
+* ``GET /v1/workers``; ``POST /v1/workers``, ``PUT /v1/workers/{id}/heartbeat``,
+  ``DELETE /v1/workers/{id}`` (registration for workers in other processes when the
+  registry is embedded; with etcd workers register there directly);
+* ``GET /v1/topology``, ``GET /healthz``, ``GET /readyz``, ``GET /metrics``,
+  ``GET /openapi.json``.
+
+Transfers are executed by :class:`~topkv.service.remote_executor.RemoteExecutor`, which
+drives the workers' control APIs. A *decode stand-in* consumes each completion: it reads
+the delivered KV's digest at the decode worker, checks it against the source's, then
+frees the copy and the decode slot (real decoding belongs to :mod:`topkv.engine`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from aiohttp import web
+from aiohttp.typedefs import Handler
+from prometheus_client import CONTENT_TYPE_LATEST, Counter
+
+from topkv.errors import ConfigError, TopKVError
+from topkv.policy.adapters import cluster_from_json, pair_view_from_cluster
+from topkv.policy.view import PairView
+from topkv.relay.executor import AttemptFailed
+from topkv.relay.orchestrator import (
+    Completion,
+    Orchestrator,
+    OrchestratorClosed,
+    OrchestratorConfig,
+    QueueFull,
+    UnknownWorker,
+)
+from topkv.relay.pairs import PairViewCache, endpoint_of
+from topkv.relay.registry import MemoryRegistry, Registration, WorkerRegistry, open_registry
+from topkv.relay.transfers import (
+    DuplicateRequest,
+    Outcome,
+    TransferRecord,
+    TransferState,
+    UnknownRequest,
+)
+from topkv.relay.workers import WorkerInfo
+from topkv.service.api_models import (
+    DecodeCheck,
+    Health,
+    HeartbeatAck,
+    PairPaths,
+    PathView,
+    Readiness,
+    SubmitRequest,
+    TopologyView,
+    TransferList,
+    TransferView,
+    WorkerList,
+    WorkerView,
+)
+from topkv.service.httputil import error_response, int_param, model_response, read_model
+from topkv.service.messages import PrefillRequest, RegisterRequest
+from topkv.service.openapi import openapi_document
+from topkv.service.remote_executor import RemoteExecutor
+from topkv.topology.model import Cluster, TopologyError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class OrchestratorServiceConfig:
+    registry: str = "memory"
+    topology_file: Path | None = None
+    relay: OrchestratorConfig = field(default_factory=OrchestratorConfig)
+    expire_interval_s: float = 0.25
+    decode_checks_kept: int = 10_000
+
+
+class TopologyPairs:
+    """Pair views from a discovered topology file, falling back to the registrations."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+        self._fallback = PairViewCache()
+        self._cache: dict[tuple[WorkerInfo, WorkerInfo], PairView] = {}
+
+    def __call__(self, src: WorkerInfo, dst: WorkerInfo) -> PairView:
+        key = (src, dst)
+        view = self._cache.get(key)
+        if view is None:
+            try:
+                view = pair_view_from_cluster(self.cluster, endpoint_of(src), endpoint_of(dst))
+            except TopologyError:
+                view = self._fallback(src, dst)
+            if len(self._cache) > 4096:
+                self._cache.clear()
+            self._cache[key] = view
+        return view
+
+
+def load_topology(path: Path) -> Cluster:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read topology file {path}: {exc.strerror}") from None
+    return cluster_from_json(text, origin=str(path))
+
+
+class OrchestratorService:
+    """Registry + orchestrator + remote executor + decode stand-in, served over HTTP."""
+
+    def __init__(self, config: OrchestratorServiceConfig) -> None:
+        self.config = config
+        self.registry: WorkerRegistry = open_registry(config.registry)
+        self.embedded = isinstance(self.registry, MemoryRegistry)
+        self.cluster = load_topology(config.topology_file) if config.topology_file else None
+        self.pairs = TopologyPairs(self.cluster) if self.cluster is not None else PairViewCache()
+        self.executor = RemoteExecutor(call_timeout_s=config.relay.executor_call_timeout_s)
+        self.orchestrator = Orchestrator(
+            self.registry, self.executor, config=config.relay, pair_view=self.pairs
+        )
+        self.decode_checks = Counter(
+            "topkv_decode_checks",
+            "Delivered KV checked by the decode stand-in against the source digest",
+            ["result"],
+            registry=self.orchestrator.metrics.registry,
+        )
+        self._registrations: dict[str, Registration] = {}
+        self._checks: OrderedDict[int, DecodeCheck] = OrderedDict()
+        self._ids = itertools.count(1)
+        self._round_robin = itertools.count()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._decode_tasks: set[asyncio.Task[None]] = set()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self.orchestrator.start()
+        self._tasks.append(asyncio.create_task(self._consume_completions(), name="decode"))
+        if self.embedded:
+            self._tasks.append(asyncio.create_task(self._expire_loop(), name="expire"))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        await self.orchestrator.close()
+        for task in list(self._decode_tasks):
+            task.cancel()
+        await asyncio.gather(*self._decode_tasks, return_exceptions=True)
+        await self.executor.close()
+        await asyncio.to_thread(self.registry.close)
+
+    async def _expire_loop(self) -> None:
+        assert isinstance(self.registry, MemoryRegistry)
+        while True:
+            await asyncio.sleep(self.config.expire_interval_s)
+            self.registry.expire()
+
+    async def _consume_completions(self) -> None:
+        """The decode stand-in: check each delivered KV, then free it and its slot."""
+        while True:
+            try:
+                completion = await self.orchestrator.next_completion(3600.0)
+            except TimeoutError:
+                continue
+            if completion.outcome == Outcome.DELIVERED:
+                task = asyncio.create_task(self._decode(completion))
+                self._decode_tasks.add(task)
+                task.add_done_callback(self._decode_tasks.discard)
+
+    async def _decode(self, completion: Completion) -> None:
+        rid = completion.request_id
+        record = self.orchestrator.transfers.get(rid)
+        worker = self.orchestrator.view.get(completion.destination or "")
+        check: DecodeCheck
+        if worker is None or record is None:
+            check = DecodeCheck(
+                worker=completion.destination or "",
+                digest=None,
+                matches_source=False,
+                detail="the decode worker left before decode took the KV",
+            )
+        else:
+            try:
+                digest = await self.executor.held_digest(worker, rid)
+                check = DecodeCheck(
+                    worker=worker.worker_id,
+                    digest=digest,
+                    matches_source=digest == record.source_digest,
+                )
+            except AttemptFailed as exc:
+                check = DecodeCheck(
+                    worker=worker.worker_id, digest=None, matches_source=False, detail=str(exc)
+                )
+            await self.executor.discard_destination(worker, rid)
+        self.decode_checks.labels("match" if check.matches_source else "mismatch").inc()
+        self._checks[rid] = check
+        while len(self._checks) > self.config.decode_checks_kept:
+            self._checks.popitem(last=False)
+        with contextlib.suppress(UnknownRequest):
+            self.orchestrator.release_decode_slot(rid)
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def view_of(self, record: TransferRecord) -> TransferView:
+        data = record.to_dict()
+        data["source_digest"] = record.source_digest
+        data["decode_check"] = self._checks.get(record.request_id)
+        return TransferView.model_validate(data)
+
+    def _pick_source(self) -> WorkerInfo:
+        prefill = self.orchestrator.view.workers("prefill")
+        if not prefill:
+            raise UnknownWorker("no prefill worker is registered")
+        return prefill[next(self._round_robin) % len(prefill)]
+
+    def _next_id(self) -> int:
+        while True:
+            rid = next(self._ids)
+            if self.orchestrator.transfers.get(rid) is None:
+                return rid
+
+    # -- HTTP --------------------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[_error_middleware])
+        r = app.router
+        r.add_post("/v1/requests", self.submit)
+        r.add_get("/v1/requests/{request_id}", self.get_request)
+        r.add_delete("/v1/requests/{request_id}", self.abort_request)
+        r.add_get("/v1/transfers", self.list_transfers)
+        r.add_get("/v1/workers", self.list_workers)
+        r.add_post("/v1/workers", self.register_worker)
+        r.add_put("/v1/workers/{worker_id}/heartbeat", self.heartbeat_worker)
+        r.add_delete("/v1/workers/{worker_id}", self.deregister_worker)
+        r.add_get("/v1/topology", self.topology)
+        r.add_get("/healthz", self.healthz)
+        r.add_get("/readyz", self.readyz)
+        r.add_get("/metrics", self.metrics)
+        r.add_get("/openapi.json", self.openapi)
+        return app
+
+    async def submit(self, request: web.Request) -> web.Response:
+        body = await read_model(request, SubmitRequest)
+        layout = body.resolved_layout()
+        source = self.orchestrator.view.get(body.source) if body.source else self._pick_source()
+        if source is None or source.role != "prefill":
+            raise UnknownWorker(f"{body.source!r} is not a registered prefill worker")
+        rid = body.request_id if body.request_id is not None else self._next_id()
+        existing = self.orchestrator.transfers.get(rid)
+        if existing is not None and not existing.terminal:
+            raise DuplicateRequest(f"request {rid} is already being transferred")
+        digest: int | None = None
+        if body.prefill:
+            held = await self.executor.prefill(
+                source, rid, PrefillRequest(model_id=body.model, layout=layout)
+            )
+            digest = held.digest
+        record = await self.orchestrator.submit(
+            rid,
+            body.model,
+            layout.to_layout(),
+            source.worker_id,
+            block=False,
+            source_digest=digest,
+            manual_override=body.transport,
+        )
+        return model_response(self.view_of(record), status=202)
+
+    async def get_request(self, request: web.Request) -> web.Response:
+        record = self.orchestrator.transfer(int_param(request, "request_id"))
+        return model_response(self.view_of(record))
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        record = await self.orchestrator.abort(int_param(request, "request_id"))
+        return model_response(self.view_of(record))
+
+    async def list_transfers(self, request: web.Request) -> web.Response:
+        state_text = request.query.get("state")
+        try:
+            state = TransferState(state_text) if state_text else None
+        except ValueError:
+            states = ", ".join(s.value for s in TransferState)
+            return error_response(
+                400, "bad_request", f"state {state_text!r} is not one of: {states}"
+            )
+        limit_text = request.query.get("limit", "100")
+        if not limit_text.isdigit():
+            return error_response(400, "bad_request", f"limit {limit_text!r} is not a count")
+        records = self.orchestrator.query(state, request.query.get("worker"), int(limit_text))
+        status = self.orchestrator.status()
+        listing = TransferList(
+            counts=self.orchestrator.transfers.counts(),
+            in_flight=self.orchestrator.in_flight,
+            queued=int(status["queued"]),  # type: ignore[call-overload]
+            transfers=[self.view_of(r) for r in records],
+        )
+        return model_response(listing)
+
+    async def list_workers(self, request: web.Request) -> web.Response:
+        workers = [
+            WorkerView(worker=w, slots_used=self.orchestrator.slots_used(w.worker_id))
+            for w in self.orchestrator.view.workers()
+        ]
+        return model_response(WorkerList(registry=self.config.registry, workers=workers))
+
+    def _require_embedded(self) -> web.Response | None:
+        if self.embedded:
+            return None
+        return error_response(
+            409,
+            "registry",
+            f"this orchestrator uses {self.config.registry}; workers register there directly",
+        )
+
+    async def register_worker(self, request: web.Request) -> web.Response:
+        refused = self._require_embedded()
+        if refused is not None:
+            return refused
+        body = await read_model(request, RegisterRequest)
+        old = self._registrations.pop(body.worker.worker_id, None)
+        registration = self.registry.register(body.worker, body.ttl_s)
+        self._registrations[body.worker.worker_id] = registration
+        status = 200 if old is not None else 201
+        return model_response(WorkerView(worker=body.worker, slots_used=0), status=status)
+
+    async def heartbeat_worker(self, request: web.Request) -> web.Response:
+        refused = self._require_embedded()
+        if refused is not None:
+            return refused
+        worker_id = request.match_info["worker_id"]
+        registration = self._registrations.get(worker_id)
+        if registration is None:
+            return error_response(404, "not_found", f"worker {worker_id!r} is not registered")
+        try:
+            registration.heartbeat()
+        except TopKVError as exc:
+            self._registrations.pop(worker_id, None)
+            return error_response(404, "not_found", str(exc))
+        return model_response(HeartbeatAck(worker_id=worker_id, ok=True))
+
+    async def deregister_worker(self, request: web.Request) -> web.Response:
+        refused = self._require_embedded()
+        if refused is not None:
+            return refused
+        worker_id = request.match_info["worker_id"]
+        registration = self._registrations.pop(worker_id, None)
+        if registration is None:
+            return error_response(404, "not_found", f"worker {worker_id!r} is not registered")
+        registration.deregister()
+        return web.Response(status=204)
+
+    async def topology(self, request: web.Request) -> web.Response:
+        view = self.orchestrator.view
+        pairs: list[PairPaths] = []
+        for src in view.workers("prefill"):
+            for dst in view.workers("decode"):
+                try:
+                    pair = self.pairs(src, dst)
+                except TopKVError as exc:
+                    log.warning("no pair view for %s -> %s: %s", src.worker_id, dst.worker_id, exc)
+                    continue
+                pairs.append(
+                    PairPaths(
+                        source=src.worker_id,
+                        destination=dst.worker_id,
+                        same_node=pair.same_node,
+                        same_host=bool(src.host_id) and src.host_id == dst.host_id,
+                        candidates=[
+                            PathView(
+                                transport=c.transport,
+                                bandwidth_gbps=c.bandwidth_gbps,
+                                setup_latency_s=c.setup_latency_s,
+                                links=list(c.links),
+                            )
+                            for c in pair.candidates
+                        ],
+                    )
+                )
+        topo = TopologyView(
+            source="file" if self.cluster is not None else "registrations",
+            topology_file=str(self.config.topology_file) if self.config.topology_file else None,
+            cluster=self.cluster.model_dump(mode="json") if self.cluster is not None else None,
+            pairs=pairs,
+        )
+        return model_response(topo)
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        return model_response(Health(ok=True))
+
+    async def readyz(self, request: web.Request) -> web.Response:
+        running = bool(self.orchestrator.status()["running"])
+        try:
+            registered = await asyncio.wait_for(asyncio.to_thread(self.registry.workers), 5.0)
+            reachable = True
+        except (TopKVError, TimeoutError, OSError):
+            registered, reachable = [], False
+        prefill = sum(1 for w in registered if w.role == "prefill")
+        decode = sum(1 for w in registered if w.role == "decode")
+        ready = running and reachable and prefill > 0 and decode > 0
+        missing = [
+            what
+            for what, ok in (
+                ("orchestrator not running", running),
+                ("registry unreachable", reachable),
+                ("no prefill worker", prefill > 0),
+                ("no decode worker", decode > 0),
+            )
+            if not ok
+        ]
+        body = Readiness(
+            ready=ready,
+            running=running,
+            registry_reachable=reachable,
+            prefill_workers=prefill,
+            decode_workers=decode,
+            detail="; ".join(missing),
+        )
+        return model_response(body, status=200 if ready else 503)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        body = self.orchestrator.metrics.exposition()
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        return web.json_response(openapi_document())
+
+
+@web.middleware
+async def _error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """TopKV errors become JSON answers with a specific status; nothing leaks a traceback."""
+    try:
+        return await handler(request)
+    except web.HTTPException:
+        raise
+    except UnknownRequest as exc:
+        return error_response(404, "not_found", str(exc), type(exc).__name__)
+    except (UnknownWorker, DuplicateRequest) as exc:
+        return error_response(409, "conflict", str(exc), type(exc).__name__)
+    except QueueFull as exc:
+        return error_response(429, "queue_full", str(exc), type(exc).__name__)
+    except OrchestratorClosed as exc:
+        return error_response(503, "unavailable", str(exc), type(exc).__name__)
+    except AttemptFailed as exc:
+        return error_response(502, exc.kind.value, str(exc), type(exc).__name__)
+    except ConfigError as exc:
+        return error_response(400, "bad_request", str(exc), type(exc).__name__)
+    except TopKVError as exc:
+        return error_response(500, "internal", str(exc), type(exc).__name__)
+
+
+async def serve_orchestrator(
+    config: OrchestratorServiceConfig,
+    host: str,
+    port: int,
+    stop: asyncio.Event,
+    on_ready: asyncio.Future[str] | None = None,
+) -> None:
+    """Run the orchestrator service on ``host:port`` until ``stop`` is set."""
+    from topkv.service.httputil import site_url
+
+    service = OrchestratorService(config)
+    await service.start()
+    runner = web.AppRunner(service.app(), access_log=None, handle_signals=False)
+    try:
+        await runner.setup()
+        await web.TCPSite(runner, host, port).start()
+        url = site_url(runner, host)
+        log.info("orchestrator listening on %s (registry %s)", url, config.registry)
+        if on_ready is not None and not on_ready.done():
+            on_ready.set_result(url)
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+        await service.stop()

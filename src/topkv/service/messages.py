@@ -1,0 +1,158 @@
+"""JSON bodies exchanged between the orchestrator, the remote executor and workers.
+
+Every body is a pydantic model so both sides validate what they read from the network and
+the OpenAPI schema is generated from the same definitions.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from topkv.relay.workers import WorkerInfo
+from topkv.transport.base import DTYPE_SIZES, KVLayout
+
+#: Largest KV cache a single request may ask a worker to hold (bounded allocations).
+MAX_KV_BYTES = 64 << 30
+
+
+class LayoutModel(BaseModel):
+    """Shape of one request's KV cache (see :class:`topkv.transport.base.KVLayout`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    num_layers: int = Field(ge=1, le=1024)
+    seq_len: int = Field(ge=1, le=10_000_000)
+    kv_heads: int = Field(ge=1, le=4096)
+    head_dim: int = Field(ge=1, le=65536)
+    dtype: Literal["fp8", "fp16", "bf16", "fp32"] = "fp16"
+    latent: bool = False
+
+    @model_validator(mode="after")
+    def _bounded(self) -> LayoutModel:
+        if self.to_layout().total_bytes > MAX_KV_BYTES:
+            raise ValueError(
+                f"KV cache of {self.to_layout().total_bytes} bytes exceeds the "
+                f"{MAX_KV_BYTES} byte limit per request"
+            )
+        return self
+
+    def to_layout(self) -> KVLayout:
+        assert self.dtype in DTYPE_SIZES
+        return KVLayout(
+            self.num_layers, self.seq_len, self.kv_heads, self.head_dim, self.dtype, self.latent
+        )
+
+    @classmethod
+    def of(cls, layout: KVLayout) -> LayoutModel:
+        return cls.model_validate(
+            {
+                "num_layers": layout.num_layers,
+                "seq_len": layout.seq_len,
+                "kv_heads": layout.kv_heads,
+                "head_dim": layout.head_dim,
+                "dtype": layout.dtype,
+                "latent": layout.latent,
+            }
+        )
+
+
+class ErrorBody(BaseModel):
+    """``{"error": {...}}``: what every non-2xx answer carries."""
+
+    kind: str = Field(description="failure kind (FailureKind value) or HTTP error class")
+    type: str = Field(description="exception type that caused it")
+    detail: str
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody
+
+
+# -- worker control API ----------------------------------------------------------------------
+
+
+class PrefillRequest(BaseModel):
+    """Ask a prefill worker to produce (deterministic random) KV for a request."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model_id: str = Field(min_length=1, max_length=200)
+    layout: LayoutModel
+
+
+class KVSummary(BaseModel):
+    """A KV cache a worker holds."""
+
+    request_id: int
+    model_id: str
+    layout: LayoutModel
+    size_bytes: int
+    digest: int = Field(description="kv_digest of the held bytes (CRC-64 of each tensor)")
+    origin: Literal["prefill", "received"]
+    medium: str = ""
+
+
+class ReceiveRequest(BaseModel):
+    """Tell a destination to expect a request's KV over ``medium``; it answers the address."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    request_id: int = Field(ge=0, lt=2**63)
+    model_id: str = Field(min_length=1, max_length=200)
+    layout: LayoutModel
+    medium: str = Field(min_length=1)
+
+
+class ReceiveReady(BaseModel):
+    request_id: int
+    medium: str
+    address: str
+
+
+class WaitRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    timeout_s: float = Field(gt=0, le=3600)
+
+
+class SendRequest(BaseModel):
+    """Tell a source to stream a held KV cache to ``destination`` over ``medium``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    request_id: int = Field(ge=0, lt=2**63)
+    destination: str = Field(min_length=1, description="sink address from /v1/receive")
+    medium: str = Field(min_length=1)
+    timeout_s: float = Field(gt=0, le=3600)
+
+
+class SendResult(BaseModel):
+    """The sender's view of a verified, acknowledged transfer."""
+
+    request_id: int
+    medium: str
+    mode: str
+    size_bytes: int
+    seconds: float
+    wall_seconds: float
+    emulated: bool
+    dilation: float
+
+
+class Released(BaseModel):
+    request_id: int
+    released: bool
+
+
+# -- worker registration through the orchestrator --------------------------------------------
+
+
+class RegisterRequest(BaseModel):
+    """A worker registering with an orchestrator that keeps an embedded registry."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    worker: WorkerInfo
+    ttl_s: float = Field(default=10.0, gt=0, le=3600)

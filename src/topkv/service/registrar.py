@@ -1,0 +1,124 @@
+"""How a worker process registers itself: in etcd directly, or through the orchestrator.
+
+An orchestrator with an embedded (``memory``) registry keeps it in its own process, so
+workers in other processes register over its HTTP API (``POST /v1/workers``, heartbeat with
+``PUT /v1/workers/{id}/heartbeat``, ``DELETE /v1/workers/{id}``). With etcd every worker
+holds its own lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Protocol
+
+import aiohttp
+
+from topkv.errors import TopKVError
+from topkv.relay.registry import Registration, WorkerRegistry, open_registry
+from topkv.relay.workers import WorkerInfo
+from topkv.service.errors import ServiceError, ServiceUnreachable
+from topkv.service.messages import RegisterRequest
+
+_TIMEOUT = aiohttp.ClientTimeout(total=5.0)
+
+
+class Registrar(Protocol):
+    async def register(self, info: WorkerInfo, ttl_s: float) -> None: ...
+
+    async def heartbeat(self) -> None:
+        """Extend the lease; raise ServiceError when the record is gone (register again)."""
+        ...
+
+    async def deregister(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+class HttpRegistrar:
+    """Registers through an orchestrator's ``/v1/workers`` endpoints."""
+
+    def __init__(self, orchestrator_url: str) -> None:
+        self._base = orchestrator_url.rstrip("/")
+        self._session: aiohttp.ClientSession | None = None
+        self._worker_id = ""
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=_TIMEOUT)
+        return self._session
+
+    async def _call(self, method: str, path: str, body: str | None = None) -> int:
+        url = f"{self._base}{path}"
+        try:
+            async with self._client().request(
+                method, url, data=body, headers={"Content-Type": "application/json"}
+            ) as response:
+                text = await response.text()
+                if response.status >= 500 or response.status in (400, 409, 422):
+                    raise ServiceError(f"{method} {url} -> {response.status}: {text[:300]}")
+                return response.status
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise ServiceUnreachable(f"orchestrator at {self._base} unreachable: {exc}") from exc
+
+    async def register(self, info: WorkerInfo, ttl_s: float) -> None:
+        self._worker_id = info.worker_id
+        body = RegisterRequest(worker=info, ttl_s=ttl_s).model_dump_json()
+        await self._call("POST", "/v1/workers", body)
+
+    async def heartbeat(self) -> None:
+        status = await self._call("PUT", f"/v1/workers/{self._worker_id}/heartbeat")
+        if status == 404:
+            raise ServiceError(f"orchestrator forgot worker {self._worker_id} (lease expired)")
+
+    async def deregister(self) -> None:
+        if self._worker_id:
+            await self._call("DELETE", f"/v1/workers/{self._worker_id}")
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+class DirectRegistrar:
+    """Registers in a registry backend (etcd) from this process; calls run in a thread."""
+
+    def __init__(self, registry: WorkerRegistry) -> None:
+        self._registry = registry
+        self._registration: Registration | None = None
+
+    async def register(self, info: WorkerInfo, ttl_s: float) -> None:
+        try:
+            self._registration = await asyncio.to_thread(self._registry.register, info, ttl_s)
+        except TopKVError as exc:
+            raise ServiceError(f"registration failed: {exc}") from exc
+
+    async def heartbeat(self) -> None:
+        if self._registration is None:
+            raise ServiceError("not registered")
+        try:
+            await asyncio.to_thread(self._registration.heartbeat)
+        except TopKVError as exc:
+            raise ServiceError(str(exc)) from exc
+
+    async def deregister(self) -> None:
+        registration, self._registration = self._registration, None
+        if registration is not None:
+            try:
+                await asyncio.to_thread(registration.deregister)
+            except TopKVError as exc:
+                raise ServiceError(str(exc)) from exc
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self._registry.close)
+
+
+def open_registrar(orchestrator_url: str, registry_url: str) -> Registrar:
+    """Direct registration for ``etcd://`` registries, else through the orchestrator."""
+    if registry_url and registry_url.startswith("etcd://"):
+        return DirectRegistrar(open_registry(registry_url))
+    if orchestrator_url:
+        return HttpRegistrar(orchestrator_url)
+    raise ServiceError(
+        f"registry {registry_url!r} lives inside the orchestrator: give --orchestrator URL"
+    )

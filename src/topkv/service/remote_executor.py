@@ -1,0 +1,312 @@
+"""A :class:`~topkv.relay.executor.TransferExecutor` that drives worker processes over HTTP.
+
+One attempt of a planned transfer, from the orchestrator's side::
+
+    POST {destination}/v1/receive   {request_id, model_id, layout, medium} -> sink address
+    POST {source}/v1/send           {request_id, destination: address, medium, timeout_s}
+         the source streams its KV with topkv.transport; it answers once the destination
+         acknowledged a verified copy (every layer's CRC-64 checked)
+    POST {destination}/v1/kv/{id}/wait  -> the destination's digest of the bytes it holds
+
+On any failure or cancellation the executor cancels the source's send and drops whatever
+reached the destination (``DELETE {destination}/v1/kv/{id}``), so a failed attempt leaves
+nothing behind. Errors map to :class:`~topkv.relay.transfers.FailureKind`: an unreachable
+destination is ``destination_died``, an unreachable or empty source ``source_lost``, and a
+transport error reported by a worker keeps the kind the worker classified.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import aiohttp
+
+from topkv.relay.executor import AttemptFailed, AttemptPlan, Delivery
+from topkv.relay.transfers import FailureKind
+from topkv.relay.workers import WorkerInfo
+from topkv.service.messages import (
+    KVSummary,
+    LayoutModel,
+    PrefillRequest,
+    ReceiveReady,
+    ReceiveRequest,
+    SendRequest,
+    SendResult,
+    WaitRequest,
+)
+from topkv.transport import registry as transports
+from topkv.transport.base import KVLayout
+from topkv.transport.shm import ShmSink
+
+#: Medium serving each path class (same table as the in-process executor): NVLink-class
+#: paths are emulated over shared memory, PCIe-class same-host paths are real shared memory,
+#: RDMA is emulated over TCP (no RDMA hardware here), TCP is real.
+DEFAULT_MEDIA: Mapping[str, str] = {
+    "nvlink": "emulated-nvlink",
+    "nvswitch": "emulated-nvswitch",
+    "xgmi": "emulated-nvlink",
+    "pcie": "shm",
+    "rdma": "emulated-rdma",
+    "tcp": "tcp",
+}
+
+#: Extra seconds an HTTP call may take beyond the attempt's own timeout.
+_HTTP_MARGIN_S = 5.0
+
+
+class RemoteExecutor:
+    """Runs attempts by calling the control APIs of the source and destination workers."""
+
+    def __init__(
+        self,
+        media: Mapping[str, str] | None = None,
+        *,
+        call_timeout_s: float = 10.0,
+        max_connections: int = 512,
+    ) -> None:
+        self.media = dict(DEFAULT_MEDIA if media is None else media)
+        self.call_timeout_s = call_timeout_s
+        self._max_connections = max_connections
+        self._session: aiohttp.ClientSession | None = None
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            connector = aiohttp.TCPConnector(limit=self._max_connections)
+            self._session = aiohttp.ClientSession(connector=connector)
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def medium_for(self, plan: AttemptPlan) -> str:
+        """The medium serving ``plan.transport`` between these two workers."""
+        medium = self.media.get(plan.transport)
+        if medium is None:
+            raise AttemptFailed(
+                FailureKind.TRANSPORT, f"no medium here serves {plan.transport!r} paths"
+            )
+        same_host = bool(plan.source.host_id) and plan.source.host_id == plan.destination.host_id
+        if transports.get(medium).make_sink is ShmSink and not same_host:
+            raise AttemptFailed(
+                FailureKind.TRANSPORT,
+                f"{medium} needs one host; {plan.source.worker_id} is on "
+                f"{plan.source.host_id or '?'} and {plan.destination.worker_id} on "
+                f"{plan.destination.host_id or '?'}",
+            )
+        return medium
+
+    # -- HTTP --------------------------------------------------------------------------------
+
+    async def _call(
+        self,
+        worker: WorkerInfo,
+        method: str,
+        path: str,
+        body: str | None,
+        timeout_s: float,
+        unreachable: FailureKind,
+        not_found: FailureKind | None = None,
+    ) -> Any:
+        """One JSON call; worker errors become :class:`AttemptFailed` with their kind."""
+        if not worker.control_url:
+            raise AttemptFailed(unreachable, f"{worker.worker_id} registered no control URL")
+        url = f"{worker.control_url.rstrip('/')}{path}"
+        try:
+            async with self._client().request(
+                method,
+                url,
+                data=body,
+                headers={"Content-Type": "application/json"},
+                timeout=aiohttp.ClientTimeout(total=timeout_s),
+            ) as response:
+                text = await response.text()
+                status = response.status
+        except (aiohttp.ClientConnectionError, ConnectionError) as exc:
+            raise AttemptFailed(unreachable, f"{worker.worker_id} unreachable: {exc}") from exc
+        except TimeoutError as exc:
+            raise AttemptFailed(
+                FailureKind.TIMEOUT, f"{worker.worker_id} did not answer {path} in {timeout_s} s"
+            ) from exc
+        try:
+            payload = json.loads(text) if text else None
+        except json.JSONDecodeError:
+            payload = None
+        if status < 300:
+            return payload
+        raise _worker_error(worker, path, status, payload, text, not_found or unreachable)
+
+    async def source_digest(self, source: WorkerInfo, request_id: int, layout: KVLayout) -> int:
+        payload = await self._call(
+            source,
+            "GET",
+            f"/v1/kv/{request_id}",
+            None,
+            self.call_timeout_s,
+            FailureKind.SOURCE_LOST,
+        )
+        held = KVSummary.model_validate(payload)
+        if held.layout.to_layout() != layout:
+            raise AttemptFailed(
+                FailureKind.SOURCE_LOST,
+                f"{source.worker_id} holds request {request_id} with another layout "
+                f"({held.layout.model_dump()})",
+            )
+        return held.digest
+
+    async def prefill(self, source: WorkerInfo, request_id: int, body: PrefillRequest) -> KVSummary:
+        """Ask a prefill worker to produce request ``request_id``'s KV (stand-in prefill)."""
+        payload = await self._call(
+            source,
+            "POST",
+            f"/v1/kv/{request_id}/prefill",
+            body.model_dump_json(),
+            max(self.call_timeout_s, 60.0),
+            FailureKind.SOURCE_LOST,
+        )
+        return KVSummary.model_validate(payload)
+
+    async def held_digest(self, worker: WorkerInfo, request_id: int) -> int:
+        """Digest of the KV ``worker`` holds for ``request_id`` (computed from its bytes)."""
+        payload = await self._call(
+            worker,
+            "GET",
+            f"/v1/kv/{request_id}",
+            None,
+            self.call_timeout_s,
+            FailureKind.DESTINATION_DIED,
+            not_found=FailureKind.TRANSPORT,
+        )
+        return KVSummary.model_validate(payload).digest
+
+    async def probe(self, worker: WorkerInfo) -> bool:
+        try:
+            await self._call(
+                worker, "GET", "/healthz", None, self.call_timeout_s, FailureKind.DESTINATION_DIED
+            )
+        except AttemptFailed:
+            return False
+        return True
+
+    async def release_source(self, source: WorkerInfo, request_id: int) -> None:
+        await self._drop(source, request_id)
+
+    async def discard_destination(self, destination: WorkerInfo, request_id: int) -> None:
+        await self._drop(destination, request_id)
+
+    async def _drop(self, worker: WorkerInfo, request_id: int) -> None:
+        # A dead worker's KV died with it: unreachable is fine here.
+        with contextlib.suppress(AttemptFailed):
+            await self._call(
+                worker,
+                "DELETE",
+                f"/v1/kv/{request_id}",
+                None,
+                self.call_timeout_s,
+                FailureKind.INTERNAL,
+            )
+
+    async def transfer(self, plan: AttemptPlan) -> Delivery:
+        medium = self.medium_for(plan)
+        timeout = plan.timeout_s + _HTTP_MARGIN_S
+        rid = plan.request_id
+        receive = ReceiveRequest(
+            request_id=rid,
+            model_id=plan.model_id,
+            layout=LayoutModel.of(plan.layout),
+            medium=medium,
+        )
+        ready = ReceiveReady.model_validate(
+            await self._call(
+                plan.destination,
+                "POST",
+                "/v1/receive",
+                receive.model_dump_json(),
+                self.call_timeout_s,
+                FailureKind.DESTINATION_DIED,
+            )
+        )
+        try:
+            send = SendRequest(
+                request_id=rid,
+                destination=ready.address,
+                medium=medium,
+                timeout_s=plan.timeout_s,
+            )
+            sent = SendResult.model_validate(
+                await self._call(
+                    plan.source,
+                    "POST",
+                    "/v1/send",
+                    send.model_dump_json(),
+                    timeout,
+                    FailureKind.SOURCE_LOST,
+                )
+            )
+            held = KVSummary.model_validate(
+                await self._call(
+                    plan.destination,
+                    "POST",
+                    f"/v1/kv/{rid}/wait",
+                    WaitRequest(timeout_s=plan.timeout_s).model_dump_json(),
+                    timeout,
+                    FailureKind.DESTINATION_DIED,
+                    not_found=FailureKind.TRANSPORT,
+                )
+            )
+        except BaseException:
+            await asyncio.shield(self._abandon(plan))
+            raise
+        return Delivery(
+            request_id=rid,
+            destination=plan.destination.worker_id,
+            transport=plan.transport,
+            medium=medium,
+            size_bytes=held.size_bytes,
+            seconds=sent.seconds if sent.emulated else sent.wall_seconds,
+            digest=held.digest,
+            emulated=sent.emulated,
+        )
+
+    async def _abandon(self, plan: AttemptPlan) -> None:
+        """Stop the source sending and drop anything that reached the destination."""
+        with contextlib.suppress(AttemptFailed):
+            await self._call(
+                plan.source,
+                "POST",
+                f"/v1/kv/{plan.request_id}/cancel",
+                None,
+                self.call_timeout_s,
+                FailureKind.INTERNAL,
+            )
+        await self._drop(plan.destination, plan.request_id)
+
+
+def _worker_error(
+    worker: WorkerInfo,
+    path: str,
+    status: int,
+    payload: object,
+    text: str,
+    not_found: FailureKind,
+) -> AttemptFailed:
+    error = payload.get("error") if isinstance(payload, dict) else None
+    kind_text = error.get("kind") if isinstance(error, dict) else None
+    detail = error.get("detail") if isinstance(error, dict) else None
+    kind: FailureKind
+    if status == 404:
+        kind = not_found
+    elif kind_text == "capacity":
+        kind = FailureKind.NO_DESTINATION  # the orchestrator reroutes
+    else:
+        try:
+            kind = FailureKind(str(kind_text))
+        except ValueError:
+            kind = FailureKind.TRANSPORT if status in (502, 504) else FailureKind.INTERNAL
+    message = detail if isinstance(detail, str) else text[:300]
+    return AttemptFailed(kind, f"{worker.worker_id} {path} -> {status}: {message}")
