@@ -23,6 +23,7 @@ COMMAND_MODULES: list[str] = [
     "sim",
     "bench",
     "chaos",
+    "services",
 ]
 
 _typer_app = typer.Typer(
