@@ -456,9 +456,13 @@ class Orchestrator:
     def release_decode_slot(self, request_id: int) -> None:
         """Decode finished with ``request_id``'s KV: its slot on the decode worker is free."""
         worker = self._slot_of.pop(request_id, None)
-        if worker is None:
+        if worker is not None:
+            self._free_slot(worker)
+            return
+        record = self.transfers.get(request_id)
+        if record is None or record.state != TransferState.DELIVERED:
             raise UnknownRequest(f"request {request_id} holds no decode slot")
-        self._free_slot(worker)
+        # Delivered to a worker that has died since: its slots went with it.
 
     @property
     def in_flight(self) -> int:
@@ -756,29 +760,42 @@ class Orchestrator:
             )
             record.attempts[-1] = _with_error(record.attempts[-1], FailureKind.CHECKSUM, detail)
             return FailureKind.CHECKSUM, detail
+        if run.destination_left or not self.view.alive(destination.worker_id):
+            # Verified, but the destination died before decode could take it; the source
+            # still owns the KV, so send it elsewhere.
+            await self._discard(destination, record.request_id)
+            return FailureKind.DESTINATION_DIED, f"{destination.worker_id} died after the ack"
         record.medium = delivery.medium
         record.emulated = delivery.emulated
         record.transfer_seconds = delivery.seconds
         completion = self._completion(record, Outcome.DELIVERED, None, "")
         completions = self._completions
         assert completions is not None
-        # The decode slot now belongs to the delivered KV (until release_decode_slot).
-        if run.slot_holder is not None:
-            self._slot_of[record.request_id] = run.slot_holder
-            run.slot_holder = None
-        try:
-            await asyncio.wait_for(
-                completions.put(completion), self.config.completion_put_timeout_s
-            )
-        except BaseException as exc:
-            run.slot_holder = self._slot_of.pop(record.request_id, None)
-            await asyncio.shield(self._discard(destination, record.request_id))
-            if isinstance(exc, TimeoutError):
+        # Handoff is one step of the event loop when the queue has room: no registry event
+        # can slip between the liveness check above and the completion being visible.
+        if completions.full():
+            try:
+                await asyncio.wait_for(
+                    completions.put(completion), self.config.completion_put_timeout_s
+                )
+            except TimeoutError:
+                await self._discard(destination, record.request_id)
                 raise _Exhausted(
                     FailureKind.COMPLETION_QUEUE_FULL,
                     f"completion queue stayed full for {self.config.completion_put_timeout_s} s",
                 ) from None
-            raise
+            if run.destination_left or not self.view.alive(destination.worker_id):
+                await self._discard(destination, record.request_id)
+                raise _Exhausted(
+                    FailureKind.DESTINATION_DIED,
+                    f"{destination.worker_id} died while its completion was queued",
+                )
+        else:
+            completions.put_nowait(completion)
+        # The decode slot now belongs to the delivered KV (until release_decode_slot).
+        if run.slot_holder is not None:
+            self._slot_of[record.request_id] = run.slot_holder
+            run.slot_holder = None
         # The destination acknowledged a verified copy and decode can take it: only now
         # may the source let go of its KV.
         await self._release_source(source, record.request_id)
