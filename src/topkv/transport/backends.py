@@ -1015,8 +1015,13 @@ def _emit(record: dict[str, Any]) -> None:
 def peer_sink(
     transport: str, secret: bytes, options: dict[str, Any], first: int, count: int
 ) -> None:
-    """Print ``ADDRESS <sink address>``, then one JSON line per received request ``first..``."""
-    sink = make_sink(transport, secret, **options)
+    """Print ``ADDRESS <sink address>``, ``LAYER <rid> <layer>`` per verified layer, then
+    one JSON line per received request ``first..``."""
+
+    def announce(descriptor: TransferDescriptor, layer: int, tensors: LayerTensors) -> None:
+        print(f"LAYER {descriptor.request_id} {layer}", flush=True)
+
+    sink = make_sink(transport, secret, on_layer=announce, **options)
     print(f"ADDRESS {sink.address}", flush=True)  # engines may log to stdout too
     try:
         for rid in range(first, first + count):
@@ -1043,36 +1048,48 @@ def peer_send(
     mode: str,
     repeat: int,
     options: dict[str, Any],
+    from_device: int | None = None,
 ) -> None:
     """Send ``repeat`` transfers (request ids ``seed..``) and print one JSON line each.
 
     ``mode``: ``ok``; ``corrupt`` (last layer changed after its CRC was taken);
-    ``hang-after-2`` (print SENT2 after two layers, then sleep: the driver kills us).
+    ``hang-after-2`` (print SENT2 after two layers, then sleep: the driver kills us);
+    ``wait-before-2`` (print WAITING after the first transfer; go on at a line on stdin).
     """
+    import sys
+
     from topkv.transport.base import KVLayout
 
     layout = KVLayout(**layout_fields)
-    source = make_source(transport, secret, **options)
     data = _kv_data(layout.total_bytes, seed)
-    view = data.data
+    view: Any = data.data
+    if from_device is not None:  # the cuda transport: send from GPU memory
+        import torch
+
+        data = torch.from_numpy(data).to(f"cuda:{from_device}")
+        view = data
     size, per = layout.tensor_bytes, layout.tensors_per_layer
+    source = make_source(transport, secret, **options)
     try:
         for rid in range(seed, seed + repeat):
-            out = source.open(TransferDescriptor(rid, "test-model", layout), address)
-            for layer in range(layout.num_layers):
-                tensors = [
-                    view[(layer * per + t) * size : (layer * per + t + 1) * size]
-                    for t in range(per)
-                ]
-                crcs = None
-                if mode == "corrupt" and layer == layout.num_layers - 1:
-                    crcs = [framing.crc64(t) for t in tensors]
-                    data[layer * layout.layer_bytes + 5] ^= 0xFF  # corrupted after the CRC
-                out.send_layer(layer, tensors, crcs)
-                if mode == "hang-after-2" and layer == 1:
-                    print("SENT2", flush=True)
-                    time.sleep(3600)
+            if mode == "wait-before-2" and rid == seed + 1:
+                print("WAITING", flush=True)
+                sys.stdin.readline()
             try:
+                out = source.open(TransferDescriptor(rid, "test-model", layout), address)
+                for layer in range(layout.num_layers):
+                    tensors = [
+                        view[(layer * per + t) * size : (layer * per + t + 1) * size]
+                        for t in range(per)
+                    ]
+                    crcs = None
+                    if mode == "corrupt" and layer == layout.num_layers - 1:
+                        crcs = [framing.crc64(t) for t in tensors]
+                        data[layer * layout.layer_bytes + 5] ^= 0xFF  # changed after the CRC
+                    out.send_layer(layer, tensors, crcs)
+                    if mode == "hang-after-2" and layer == 1:
+                        print("SENT2", flush=True)
+                        time.sleep(3600)
                 result = out.finish().result(120)
                 _emit({"rid": rid, "ok": True, "seconds": result.seconds, "gbps": result.gbps})
             except TransportError as exc:
@@ -1098,9 +1115,12 @@ def _peer_main(argv: Sequence[str]) -> None:
     send.add_argument("secret_hex")
     send.add_argument("seed", type=int)
     send.add_argument("layout_json")
-    send.add_argument("--mode", default="ok", choices=["ok", "corrupt", "hang-after-2"])
+    send.add_argument(
+        "--mode", default="ok", choices=["ok", "corrupt", "hang-after-2", "wait-before-2"]
+    )
     send.add_argument("--repeat", type=int, default=1)
     send.add_argument("--options", default="{}")
+    send.add_argument("--from-device", type=int, default=None)
     args = parser.parse_args(argv)
     options = json.loads(args.options)
     if args.role == "sink":
@@ -1115,7 +1135,105 @@ def _peer_main(argv: Sequence[str]) -> None:
             args.mode,
             args.repeat,
             options,
+            args.from_device,
         )
+
+
+class PeerProcess:
+    """A :func:`peer_sink` / :func:`peer_send` child process, read line by line."""
+
+    def __init__(self, argv: list[str]) -> None:
+        self.proc = subprocess.Popen(
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1
+        )
+        self._lines: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._lines.put(line.rstrip("\n"))
+        self._lines.put(None)
+
+    def line(self, prefix: str, timeout: float) -> str:
+        """The next stdout line starting with ``prefix`` (engines may log other lines)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                line = self._lines.get(timeout=max(left, 0.001))
+            except queue.Empty:
+                raise TransferTimeout(f"peer printed no {prefix!r} line in {timeout} s") from None
+            if line is None:
+                raise PeerDied(f"peer exited ({self.proc.wait()}) before printing {prefix!r}")
+            if line.startswith(prefix):
+                return line
+
+    def record(self, timeout: float) -> dict[str, Any]:
+        """The next JSON record the peer printed."""
+        parsed: dict[str, Any] = json.loads(self.line("{", timeout))
+        return parsed
+
+    def tell(self, text: str = "go") -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(text + "\n")
+        self.proc.stdin.flush()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+
+
+def spawn_sink(
+    netns: PrivateNetns | None,
+    transport: str,
+    secret: bytes,
+    *,
+    first: int = 1,
+    count: int = 1,
+    options: dict[str, Any] | None = None,
+    python: str | None = None,
+) -> tuple[PeerProcess, str]:
+    """Start a sink peer (inside ``netns`` unless None); returns it and its address."""
+    import sys
+
+    argv = [python or sys.executable, "-m", "topkv.transport.backends", "sink", transport]
+    argv += [secret.hex(), "--first", str(first), "--count", str(count)]
+    argv += ["--options", json.dumps(options or {})]
+    peer = PeerProcess(netns.command(argv) if netns is not None else argv)
+    try:
+        address = peer.line("ADDRESS ", 60).split(" ", 1)[1]
+    except TransportError:
+        peer.stop()
+        raise
+    return peer, address
+
+
+def spawn_sender(
+    netns: PrivateNetns | None,
+    transport: str,
+    address: str,
+    secret: bytes,
+    seed: int,
+    layout: Any,
+    *,
+    mode: str = "ok",
+    repeat: int = 1,
+    options: dict[str, Any] | None = None,
+    python: str | None = None,
+    from_device: int | None = None,
+) -> PeerProcess:
+    """Start a sender peer (inside ``netns`` unless None; ``layout`` is a KVLayout)."""
+    import dataclasses
+    import sys
+
+    argv = [python or sys.executable, "-m", "topkv.transport.backends", "send", transport]
+    argv += [address, secret.hex(), str(seed), json.dumps(dataclasses.asdict(layout))]
+    argv += ["--mode", mode, "--repeat", str(repeat), "--options", json.dumps(options or {})]
+    if from_device is not None:
+        argv += ["--from-device", str(from_device)]
+    return PeerProcess(netns.command(argv) if netns is not None else argv)
 
 
 if __name__ == "__main__":
