@@ -30,6 +30,7 @@ class LiveWorkerView:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: int | None = None
         self.version = 0
+        self._sorted: dict[Role | None, tuple[int, list[WorkerInfo]]] = {}
 
     async def start(self) -> None:
         """Watch first (so nothing is missed), then list the registry."""
@@ -56,8 +57,13 @@ class LiveWorkerView:
         return worker_id in self._workers
 
     def workers(self, role: Role | None = None) -> list[WorkerInfo]:
-        infos = sorted(self._workers.values(), key=lambda i: i.worker_id)
-        return [i for i in infos if role is None or i.role == role]
+        """Workers sorted by id (cached until the next change; do not mutate the list)."""
+        cached = self._sorted.get(role)
+        if cached is None or cached[0] != self.version:
+            infos = sorted(self._workers.values(), key=lambda i: i.worker_id)
+            cached = (self.version, [i for i in infos if role is None or i.role == role])
+            self._sorted[role] = cached
+        return cached[1]
 
     def _on_event(self, event: RegistryEvent) -> None:
         loop = self._loop

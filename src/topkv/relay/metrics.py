@@ -17,6 +17,7 @@ Names (all prefixed ``topkv_``):
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import (
@@ -94,6 +95,8 @@ class RelayMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self._outcomes: dict[tuple[str, str], Counter] = {}
+        self._modes: dict[str, tuple[Counter, Histogram, Histogram]] = {}
         self.throughput = Histogram(
             "topkv_transfer_throughput_gbps",
             "Per delivered transfer: decimal GB/s over the successful attempt",
@@ -101,6 +104,30 @@ class RelayMetrics:
             buckets=_GBPS_BUCKETS,
             registry=r,
         )
+
+    def track(self, in_flight: Callable[[], float], queued: Callable[[], float]) -> None:
+        """Read the two gauges from the orchestrator at scrape time (no per-transfer cost)."""
+        self.in_flight.set_function(in_flight)
+        self.queued.set_function(queued)
+
+    def outcome(self, mode: str, outcome: str) -> Counter:
+        """The ``transfers_total`` child for ``mode`` and ``outcome`` (children are cached)."""
+        key = (mode, outcome)
+        child = self._outcomes.get(key)
+        if child is None:
+            child = self._outcomes[key] = self.transfers.labels(mode, outcome)
+        return child
+
+    def for_mode(self, mode: str) -> tuple[Counter, Histogram, Histogram]:
+        """Cached children for ``mode``: bytes, transfer seconds, throughput."""
+        found = self._modes.get(mode)
+        if found is None:
+            found = self._modes[mode] = (
+                self.bytes.labels(mode),
+                self.transfer_seconds.labels(mode),
+                self.throughput.labels(mode),
+            )
+        return found
 
     def exposition(self) -> bytes:
         """The text exposition format (what ``/metrics`` returns)."""

@@ -47,7 +47,7 @@ from topkv.relay.executor import (
 )
 from topkv.relay.liveview import LiveWorkerView
 from topkv.relay.metrics import RelayMetrics
-from topkv.relay.pairs import PairViewCache, endpoint_of
+from topkv.relay.pairs import CachingSelector, PairViewCache, endpoint_of
 from topkv.relay.registry import WorkerRegistry
 from topkv.relay.transfers import (
     AttemptRecord,
@@ -173,17 +173,19 @@ class _Run:
 
     __slots__ = (
         "aborted",
-        "attempt_task",
         "destination_left",
         "done",
         "flow",
+        "in_attempt",
+        "interrupted",
         "slot_holder",
         "task",
     )
 
     def __init__(self) -> None:
         self.task: asyncio.Task[None] | None = None
-        self.attempt_task: asyncio.Future[Delivery] | None = None
+        self.in_attempt = False
+        self.interrupted = False
         self.destination_left = False
         self.aborted = False
         self.slot_holder: str | None = None
@@ -229,10 +231,14 @@ class Orchestrator:
         """
         self.config = config or OrchestratorConfig()
         self.executor = executor
-        self.selector: TransportSelector = selector or CostPolicy()
+        # The default policy is pure and uses nominal figures, so its answers are memoised.
+        self.selector: TransportSelector = selector or CachingSelector(CostPolicy())
         self.routing = routing or RoutingPolicy()
         self.clock: Clock = clock or MonotonicClock()
         self.metrics = metrics or RelayMetrics()
+        self.metrics.track(
+            lambda: self._in_flight, lambda: self._queue.qsize() if self._queue else 0
+        )
         self._sleep: Sleep = sleep or asyncio.sleep
         self._pair_view: WorkerPairView = pair_view or PairViewCache()
         self.view = LiveWorkerView(registry)
@@ -246,6 +252,7 @@ class Orchestrator:
         self._slot_of: dict[int, str] = {}
         self._capacity_changed: asyncio.Event | None = None
         self._load: LinkLoad = NO_LOAD
+        self._endpoints: dict[str, tuple[WorkerInfo, Endpoint]] = {}
         self._in_flight = 0
         self.max_in_flight_seen = 0
         self._running = False
@@ -342,7 +349,7 @@ class Orchestrator:
         record.manual_override = manual_override
         self.transfers.add(record)  # raises DuplicateRequest
         try:
-            if block:
+            if block and queue.full():
                 wait = self.config.submit_timeout_s if timeout_s is None else timeout_s
                 try:
                     await asyncio.wait_for(queue.put(record), wait)
@@ -364,7 +371,6 @@ class Orchestrator:
             record.reason = "not accepted"
             raise
         record.handed_off_at = self.clock.now()
-        self.metrics.queued.set(queue.qsize())
         return record
 
     def status(self) -> dict[str, object]:
@@ -437,6 +443,8 @@ class Orchestrator:
         completions = self._completions
         if completions is None:
             raise OrchestratorClosed("the orchestrator was never started")
+        if not completions.empty():
+            return completions.get_nowait()
         return await asyncio.wait_for(completions.get(), timeout_s)
 
     def completion_nowait(self) -> Completion | None:
@@ -483,7 +491,6 @@ class Orchestrator:
         assert queue is not None
         while True:
             record = await queue.get()
-            self.metrics.queued.set(queue.qsize())
             if record.terminal:
                 continue
             run = self._runs.setdefault(record.request_id, _Run())
@@ -493,7 +500,6 @@ class Orchestrator:
             self._in_flight += 1
             if self._in_flight > self.max_in_flight_seen:
                 self.max_in_flight_seen = self._in_flight
-            self.metrics.in_flight.set(self._in_flight)
             try:
                 await self._run_transfer(record, run)
             except asyncio.CancelledError:
@@ -504,7 +510,6 @@ class Orchestrator:
                 task.uncancel()
             finally:
                 self._in_flight -= 1
-                self.metrics.in_flight.set(self._in_flight)
                 self._runs.pop(record.request_id, None)
                 if run.done is not None and not run.done.done():
                     run.done.set_result(None)
@@ -643,7 +648,7 @@ class Orchestrator:
         by_endpoint: dict[Endpoint, WorkerInfo] = {}
         views: list[DecodeWorkerView] = []
         for info in decoders:
-            endpoint = endpoint_of(info)
+            endpoint = self._endpoint(info)
             by_endpoint[endpoint] = info
             used = self._slots_used.get(info.worker_id, 0)
             views.append(
@@ -660,7 +665,7 @@ class Orchestrator:
 
         try:
             return self.routing.choose_decode(
-                endpoint_of(source),
+                self._endpoint(source),
                 views,
                 lookup,
                 request,
@@ -696,37 +701,35 @@ class Orchestrator:
         path = selection.best_path(transport)
         links = path.links if path is not None else ()
         self._add_flow(run, links, record.size_bytes)
-        attempt = asyncio.ensure_future(self.executor.transfer(plan))
-        run.attempt_task = attempt
-        try:
-            done, _ = await asyncio.wait([attempt], timeout=self.config.attempt_timeout_s)
-        except asyncio.CancelledError:
-            await asyncio.shield(self._stop_attempt(attempt, destination, record.request_id))
-            raise
-        finally:
-            run.attempt_task = None
-            self._remove_flow(run)
-        failure: FailureKind | None
+        failure: FailureKind | None = None
         delivery: Delivery | None = None
-        if not done:
-            await self._stop_attempt(attempt, destination, record.request_id)
+        detail = ""
+        task = run.task
+        run.in_attempt = True
+        try:
+            async with asyncio.timeout(self.config.attempt_timeout_s):
+                delivery = await self.executor.transfer(plan)
+        except TimeoutError:
             failure = FailureKind.TIMEOUT
             detail = (
                 f"attempt {number} over {transport} took over {self.config.attempt_timeout_s} s"
             )
-        elif attempt.cancelled():
-            failure = (
-                FailureKind.DESTINATION_DIED if run.destination_left else FailureKind.CANCELLED
-            )
+        except asyncio.CancelledError:
+            if not run.interrupted or run.aborted or task is None:
+                raise
+            # The destination left the registry: the leave handler interrupted this attempt.
+            task.uncancel()
+            failure = FailureKind.DESTINATION_DIED
             detail = f"{destination.worker_id} left the registry during attempt {number}"
-        elif (error := attempt.exception()) is not None:
+        except Exception as error:
             failure = classify_failure(error)
             detail = str(error) or error.__class__.__name__
             if failure == FailureKind.INTERNAL:
                 log.error("executor raised unexpectedly: %r", error)
-        else:
-            delivery = attempt.result()
-            failure, detail = None, ""
+        finally:
+            run.in_attempt = False
+            run.interrupted = False
+            self._remove_flow(run)
         record.attempts.append(
             AttemptRecord(
                 number=number,
@@ -804,12 +807,13 @@ class Orchestrator:
         record.ended_at = self.clock.now()
         self.transfers.move(record, TransferState.DELIVERED)
         m = self.metrics
-        m.transfers.labels(mode, Outcome.DELIVERED.value).inc()
-        m.bytes.labels(mode).inc(record.size_bytes)
-        m.transfer_seconds.labels(mode).observe(delivery.seconds)
+        m.outcome(mode, Outcome.DELIVERED.value).inc()
+        nbytes, seconds, gbps = m.for_mode(mode)
+        nbytes.inc(record.size_bytes)
+        seconds.observe(delivery.seconds)
         m.handoff_seconds.observe(completion.handoff_seconds)
         if delivery.seconds > 0:
-            m.throughput.labels(mode).observe(record.size_bytes / delivery.seconds / 1e9)
+            gbps.observe(record.size_bytes / delivery.seconds / 1e9)
         return None, ""
 
     # -- cleanup ---------------------------------------------------------------------------
@@ -838,7 +842,7 @@ class Orchestrator:
         record.ended_at = self.clock.now()
         state = TransferState.CANCELLED if outcome == Outcome.CANCELLED else TransferState.FAILED
         self.transfers.move(record, state)
-        self.metrics.transfers.labels(record.transport or "none", outcome.value).inc()
+        self.metrics.outcome(record.transport or "none", outcome.value).inc()
         await self._put_completion(self._completion(record, outcome, kind, reason))
 
     async def _finish_unstarted(self, record: TransferRecord, reason: str) -> None:
@@ -879,18 +883,10 @@ class Orchestrator:
             self.completions_dropped += 1
             log.warning("completion of request %s dropped: queue full", completion.request_id)
 
-    async def _stop_attempt(
-        self, attempt: asyncio.Future[Delivery], destination: WorkerInfo, request_id: int
-    ) -> None:
-        """Cancel an attempt; if it had already delivered, drop the destination's copy."""
-        attempt.cancel()
-        await asyncio.wait([attempt], timeout=self.config.cancel_grace_s)
-        if attempt.done() and not attempt.cancelled() and attempt.exception() is None:
-            await self._discard(destination, request_id)
-
     async def _executor_call(self, call: Awaitable[int], kind: FailureKind) -> int:
         try:
-            return await asyncio.wait_for(call, self.config.executor_call_timeout_s)
+            async with asyncio.timeout(self.config.executor_call_timeout_s):
+                return await call
         except (AttemptFailed, TopKVError, TimeoutError) as exc:
             raise _Exhausted(
                 classify_failure(exc) if isinstance(exc, AttemptFailed) else kind,
@@ -899,19 +895,15 @@ class Orchestrator:
 
     async def _release_source(self, source: WorkerInfo, request_id: int) -> None:
         try:
-            await asyncio.wait_for(
-                self.executor.release_source(source, request_id),
-                self.config.executor_call_timeout_s,
-            )
+            async with asyncio.timeout(self.config.executor_call_timeout_s):
+                await self.executor.release_source(source, request_id)
         except (TopKVError, TimeoutError, OSError) as exc:
             log.warning("release of request %s at %s failed: %s", request_id, source.worker_id, exc)
 
     async def _discard(self, destination: WorkerInfo, request_id: int) -> None:
         try:
-            await asyncio.wait_for(
-                self.executor.discard_destination(destination, request_id),
-                self.config.executor_call_timeout_s,
-            )
+            async with asyncio.timeout(self.config.executor_call_timeout_s):
+                await self.executor.discard_destination(destination, request_id)
         except (TopKVError, TimeoutError, OSError) as exc:
             log.warning(
                 "discard of request %s at %s failed: %s", request_id, destination.worker_id, exc
@@ -921,13 +913,18 @@ class Orchestrator:
         if run.destination_left or not self.view.alive(destination.worker_id):
             return False
         try:
-            return await asyncio.wait_for(
-                self.executor.probe(destination), self.config.executor_call_timeout_s
-            )
+            async with asyncio.timeout(self.config.executor_call_timeout_s):
+                return await self.executor.probe(destination)
         except (TopKVError, TimeoutError, OSError):
             return False
 
     # -- slots, load, registry events ------------------------------------------------------
+
+    def _endpoint(self, info: WorkerInfo) -> Endpoint:
+        found = self._endpoints.get(info.worker_id)
+        if found is None or found[0] is not info:
+            found = self._endpoints[info.worker_id] = (info, endpoint_of(info))
+        return found[1]
 
     def _reserve_slot(self, record: TransferRecord, worker_id: str) -> None:
         run = self._runs.get(record.request_id)
@@ -972,8 +969,9 @@ class Orchestrator:
                 record_destination = run.slot_holder
                 if record_destination == event.worker_id:
                     run.destination_left = True
-                    if run.attempt_task is not None:
-                        run.attempt_task.cancel()
+                    if run.in_attempt and not run.interrupted and run.task is not None:
+                        run.interrupted = True
+                        run.task.cancel()
             # Delivered KV held by a dead decode worker is gone with it: free the slots.
             for request_id, worker in list(self._slot_of.items()):
                 if worker == event.worker_id:
