@@ -150,7 +150,7 @@ def test_receiver_killed_mid_transfer_fails_fast(transport: str) -> None:
             start = 2 * layer * size
             out.send_layer(
                 layer, [data.data[start : start + size], data.data[start + size : start + 2 * size]]
-            )  # noqa: E501
+            )
         started = time.monotonic()
         with pytest.raises(PeerDied):
             out.finish().result(15)

@@ -17,7 +17,7 @@ _UNITS = {
     "KB": 10**3,
     "MB": 10**6,
     "GB": 10**9,
-}  # noqa: E501
+}
 
 
 def parse_size(text: str) -> int:
@@ -42,7 +42,7 @@ def register(app: typer.Typer) -> None:
     def transfer(
         transport: str = typer.Option(
             "tcp", help="shm | tcp | emulated-<mode> (e.g. emulated-rdma)"
-        ),  # noqa: E501
+        ),
         size: str = typer.Option("256MiB", help="KV bytes per transfer (e.g. 256MiB)"),
         repeat: int = typer.Option(5, min=1, help="timed repeats (median is reported)"),
         streams: int = typer.Option(1, min=1, help="parallel TCP streams per transfer"),

@@ -313,7 +313,7 @@ class _ShmOutgoing(OutgoingTransfer):
         self._future: Future[TransferResult] = Future()
         self._future.set_running_or_notify_cancel()
         self._cancelled = threading.Event()
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._queued: set[int] = set()
         self._error: BaseException | None = None
         self._finished = False

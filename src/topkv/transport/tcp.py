@@ -403,7 +403,7 @@ class _TcpOutgoing(OutgoingTransfer):
         self._future: Future[TransferResult] = Future()
         self._future.set_running_or_notify_cancel()
         self._cancelled = threading.Event()
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._streams_left = self._streams
         self._error: BaseException | None = None
         self._sent_layers: set[int] = set()
