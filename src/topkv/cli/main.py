@@ -24,6 +24,7 @@ COMMAND_MODULES: list[str] = [
     "bench",
     "chaos",
     "services",
+    "demo",
 ]
 
 _typer_app = typer.Typer(

@@ -1,0 +1,77 @@
+"""``topkv demo``: the end-to-end disaggregated run (what ``make demo`` runs)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.live import Live
+
+from topkv.demo.errors import DemoError
+
+
+def demo_command(
+    requests: int = typer.Option(50, "--requests", "-n", min=1, help="Requests to replay."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
+    model_path: Path | None = typer.Option(
+        None, "--model-path", help="Local Hugging Face Llama-family model directory."
+    ),
+    seed: int = typer.Option(0, "--seed", help="Seed of the demo model's weights and prompts."),
+    new_tokens: int = typer.Option(8, "--new-tokens", min=1, help="Tokens generated each."),
+    dilation: float = typer.Option(
+        1000.0, "--dilation", help="Emulated links run this many times slower than modelled."
+    ),
+    speedup: float = typer.Option(
+        2.0, "--speedup", help="Replay the trace's arrivals this many times faster."
+    ),
+    trace: Path | None = typer.Option(None, "--trace", help="Azure LLM trace 2023 CSV."),
+) -> None:
+    """Prefill and decode in separate processes with layer-by-layer KV streaming."""
+    from topkv.demo.report import request_json, results_table, summarize, summary_text
+    from topkv.demo.runner import DemoOptions, DemoRun, Progress
+    from topkv.engine import model_extra_available
+    from topkv.engine.deps import INSTALL_HINT
+
+    if not model_extra_available():
+        raise DemoError(f"the demo runs a real model: {INSTALL_HINT}")
+    options = DemoOptions(
+        requests=requests,
+        seed=seed,
+        model_path=str(model_path) if model_path is not None else None,
+        new_tokens=new_tokens,
+        dilation=dilation,
+        speedup=speedup,
+        trace=trace,
+    )
+    err = Console(stderr=True)
+    started = time.perf_counter()
+    with Live(console=err, refresh_per_second=8, transient=False) as live:
+
+        def show(progress: Progress) -> None:
+            from topkv.demo.report import progress_view
+
+            live.update(progress_view(progress))
+
+        run = DemoRun(options, on_progress=show)
+        results = run.run()
+    summary = summarize(results, options, time.perf_counter() - started, run.model_id)
+    if as_json:
+        payload = {"requests": [request_json(r) for r in results], "summary": summary}
+        sys.stdout.write(json.dumps(payload, allow_nan=False) + "\n")
+    else:
+        out = Console()
+        if not out.is_terminal:
+            out = Console(width=180)
+        out.print(results_table(results, options.dilation))
+        out.print(summary_text(summary))
+    if not summary["all_tokens_identical"]:
+        raise typer.Exit(1)
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``demo`` to the ``topkv`` app."""
+    app.command("demo")(demo_command)

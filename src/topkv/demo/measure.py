@@ -1,0 +1,103 @@
+"""Per-request measurement: what the pipelined transfer cost, and what the model says.
+
+Every stamp is on the host's one monotonic clock (see :mod:`topkv.demo.protocol`).
+
+* ``prefill_ms``: the forward pass, ``forward_end - forward_start`` on the prefill worker.
+* ``transfer_ms``: from the first layer offered to the transport to the last layer landed
+  (and CRC-checked) at the decode worker.
+* ``exposed_ms``: ``max(0, last layer landed - forward_end)``: the transfer time prefill did
+  not hide.
+* ``serial_ms``: the same KV sent again as a whole after prefill (each layer offered at
+  once, link busy throughout): last layer landed minus the start of that send. This is the
+  exposed time without pipelining.
+* ``modelled_exposed_ms``: :func:`topkv.planner.simulate_pipeline` fed with this request's
+  measured per-layer compute (the intervals between the prefill worker's layer-ready stamps,
+  plus the tail from the last layer to the end of the forward pass, which sends nothing) and
+  the per-layer transfer times measured on the *serial* send of the same KV over the same
+  path, ``landed_l - max(offered_l, landed_{l-1})`` (the time the link spent on layer l).
+  The model's input does not come from the run it predicts.
+* ``ttft_ms``: from the request's arrival to the decode worker starting its first step with
+  the verified KV and prefill's first token in hand (queueing included).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from topkv.demo.errors import DemoError
+from topkv.planner import simulate_pipeline
+
+
+def link_times_from_serial(offered_s: Sequence[float], landed_s: Sequence[float]) -> list[float]:
+    """Per-layer link time of a send whose layers were all available when it started."""
+    if len(offered_s) != len(landed_s) or not landed_s:
+        raise DemoError("serial send: offered and landed stamps do not match")
+    times: list[float] = []
+    previous = -math.inf
+    for offered, landed in zip(offered_s, landed_s, strict=True):
+        if math.isnan(landed):
+            raise DemoError("serial send: a layer has no landing stamp")
+        times.append(max(0.0, landed - max(offered, previous)))
+        previous = max(previous, landed)
+    return times
+
+
+def compute_times(
+    forward_start_s: float, layer_ready_s: Sequence[float], forward_end_s: float
+) -> list[float]:
+    """Per-layer compute as intervals between ready stamps, plus the tail (no KV) at the end."""
+    stamps = [forward_start_s, *layer_ready_s, forward_end_s]
+    return [max(0.0, b - a) for a, b in itertools.pairwise(stamps)]
+
+
+def modelled_exposed_s(
+    forward_start_s: float,
+    layer_ready_s: Sequence[float],
+    forward_end_s: float,
+    link_s: Sequence[float],
+) -> float:
+    """Exposed time the exact pipeline model predicts for this request."""
+    compute = compute_times(forward_start_s, layer_ready_s, forward_end_s)
+    if len(link_s) != len(layer_ready_s):
+        raise DemoError(f"{len(link_s)} link times for {len(layer_ready_s)} layers")
+    return simulate_pipeline(compute, [*link_s, 0.0]).exposed_s
+
+
+def last_landed(landed_s: Sequence[float]) -> float:
+    if not landed_s or any(math.isnan(t) for t in landed_s):
+        raise DemoError("a layer has no landing stamp")
+    return max(landed_s)
+
+
+def exposed_after(prefill_end_s: float, landed_s: Sequence[float]) -> float:
+    return max(0.0, last_landed(landed_s) - prefill_end_s)
+
+
+@dataclass(frozen=True)
+class Percentiles:
+    mean: float
+    p50: float
+    p95: float
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> Percentiles:
+        if not values:
+            return cls(math.nan, math.nan, math.nan)
+        ordered = sorted(values)
+        return cls(sum(ordered) / len(ordered), quantile(ordered, 0.5), quantile(ordered, 0.95))
+
+    def as_dict(self, digits: int = 3) -> dict[str, float]:
+        return {k: round(v, digits) for k, v in vars(self).items()}
+
+
+def quantile(ordered: Sequence[float], q: float) -> float:
+    """Linear-interpolated quantile of sorted values."""
+    if not ordered:
+        return math.nan
+    position = q * (len(ordered) - 1)
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)

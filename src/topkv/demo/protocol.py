@@ -1,0 +1,202 @@
+"""Messages between the demo's main process and its worker processes (pickled over queues).
+
+Every timestamp is ``time.perf_counter()`` of the process that took it. On Linux that is
+``CLOCK_MONOTONIC``, one clock for every process of the host, so stamps taken by the prefill
+worker (layer ready), the decode worker (layer landed) and the main process (arrival) are
+directly comparable; :func:`topkv.demo.cluster.check_shared_clock` refuses to run otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from topkv.engine.spec import DemoModelConfig
+
+Schedule = Literal["stream", "serial", "replay"]
+ExpectKind = Literal["decode", "drain"]
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    worker_id: str
+    role: Literal["prefill", "decode"]
+    secret: bytes
+    model: DemoModelConfig
+    seed: int
+    model_path: str | None = None
+    torch_threads: int = 1
+    io_timeout_s: float = 60.0
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """The emulated path a transfer is paced to (see :mod:`topkv.demo.pacing`)."""
+
+    mode: str
+    bandwidth_gbps: float
+    setup_s: float
+    dilation: float
+
+
+# -- main -> prefill worker ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Prefill:
+    rid: int
+    prompt_len: int
+    prompt_seed: int
+
+
+@dataclass(frozen=True)
+class Send:
+    """Send ``rid``'s KV to ``destination`` as transfer ``wire_rid``.
+
+    ``stream``: each layer as soon as prefill publishes it (the pipelined transfer);
+    ``serial``: every layer after prefill ended (the whole cache at once);
+    ``replay``: layer ``l`` at ``t0 + (ready_l - forward_start)``, replaying the recorded
+    compute schedule over another path (the uniform-RDMA comparison).
+    """
+
+    rid: int
+    tag: str
+    wire_rid: int
+    medium: str  # "shm" or "tcp": the real medium
+    destination: str
+    link: LinkSpec | None
+    schedule: Schedule
+    first_token_to: str | None = None  # decode worker that gets the first token (stream)
+    timeout_s: float = 60.0
+
+
+@dataclass(frozen=True)
+class Release:
+    rid: int
+
+
+@dataclass(frozen=True)
+class Stop:
+    pass
+
+
+# -- main / prefill -> decode worker ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Expect:
+    """Receive transfer ``wire_rid`` on ``medium``; decode it, or just verify and drop it."""
+
+    rid: int
+    tag: str
+    wire_rid: int
+    medium: str
+    kind: ExpectKind
+    prompt_len: int
+    max_new_tokens: int = 0
+    timeout_s: float = 60.0
+
+
+@dataclass(frozen=True)
+class Reference:
+    """Single-process greedy generation of the same prompt (the correctness oracle)."""
+
+    rid: int
+    prompt_len: int
+    prompt_seed: int
+    max_new_tokens: int
+
+
+@dataclass(frozen=True)
+class FirstToken:
+    rid: int
+    token: int
+    sent_s: float
+
+
+# -- worker -> main --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Ready:
+    worker_id: str
+    pid: int
+    model_id: str
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+    addresses: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PrefillDone:
+    worker_id: str
+    rid: int
+    first_token: int
+    started_s: float  # the worker picked the request up
+    forward_start_s: float
+    forward_end_s: float
+    layer_ready_s: tuple[float, ...]  # layer l's K/V stored and offered to senders
+    layer_compute_s: tuple[float, ...]  # the layer's own forward time (hooks)
+
+
+@dataclass(frozen=True)
+class SendDone:
+    worker_id: str
+    rid: int
+    tag: str
+    start_s: float
+    end_s: float  # the destination acknowledged a verified copy
+    offered_s: tuple[float, ...]  # layer l offered to the (paced) transport
+    handed_s: tuple[float, ...]  # layer l left the paced link, handed to the medium
+    nbytes: int
+    transport: str
+    emulated: bool
+    dilation: float
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Received:
+    """A drained transfer (serial or replay copy): verified, timestamped and released."""
+
+    worker_id: str
+    rid: int
+    tag: str
+    arrivals_s: tuple[float, ...]  # layer l landed and its CRC-64 matched
+    verified_s: float  # the whole KV was acknowledged verified
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Decoded:
+    worker_id: str
+    rid: int
+    tokens: tuple[int, ...]
+    arrivals_s: tuple[float, ...]
+    kv_verified_s: float
+    first_token_s: float
+    decode_start_s: float
+    decode_end_s: float
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class ReferenceDone:
+    worker_id: str
+    rid: int
+    tokens: tuple[int, ...]
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A job failed inside a worker (the message says which and why)."""
+
+    worker_id: str
+    rid: int
+    message: str
+
+
+Event = Ready | PrefillDone | SendDone | Received | Decoded | ReferenceDone | Failed

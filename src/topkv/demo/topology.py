@@ -1,0 +1,119 @@
+"""The emulated two-node cluster the demo's workers are placed on.
+
+Both nodes are copies of one real ``nvidia-smi topo -m`` capture of an 8x H100 NV18 server
+(../shared/fixtures). Workers sit on GPUs of it; the selection policy sees the discovered
+paths (NVLink inside a node, RDMA through the nearest NICs across nodes) exactly as it would
+on the real machines. All worker processes actually run on this host, so every path is
+*emulated*: the bytes move over shared memory (same-node paths) or TCP (cross-node paths),
+paced to the chosen path's bandwidth and setup latency, time-dilated (see
+:mod:`topkv.demo.pacing`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from topkv.demo.errors import DemoError
+from topkv.policy import Endpoint, PairView, Selection
+from topkv.policy.adapters import pair_view_from_cluster
+from topkv.relay.workers import Role, WorkerCapabilities, WorkerInfo
+from topkv.topology.build import discover_from_files
+from topkv.topology.detect.errors import ParseError
+from topkv.topology.model import Cluster
+
+DEFAULT_FIXTURE = "sglang-30401-h100-8gpu-nv18-8nic.txt"
+GPU_NAME = "NVIDIA H100 80GB HBM3"
+FIXTURE_DIR = Path("..") / "shared" / "fixtures" / "nvidia-smi-topo"
+
+#: Media that carry each path class on this host (same host: shm; otherwise tcp).
+MEDIUM_FOR_MODE = {"nvlink": "shm", "nvswitch": "shm", "pcie": "shm", "xgmi": "shm"}
+
+
+@dataclass(frozen=True)
+class Placement:
+    """One demo worker: its id, role and the GPU of the emulated cluster it sits on."""
+
+    worker_id: str
+    role: Role
+    node: str
+    gpu: int
+
+    @property
+    def endpoint(self) -> Endpoint:
+        return Endpoint(self.node, self.gpu)
+
+
+#: prefill0 node-0:GPU0, prefill1 node-1:GPU0, decode0 node-0:GPU1, decode1 node-1:GPU1.
+DEFAULT_PLACEMENTS = (
+    Placement("prefill0", "prefill", "node-0", 0),
+    Placement("prefill1", "prefill", "node-1", 0),
+    Placement("decode0", "decode", "node-0", 1),
+    Placement("decode1", "decode", "node-1", 1),
+)
+
+
+def find_fixture(name: str = DEFAULT_FIXTURE) -> Path:
+    """The fixture file, from ../shared beside the cwd or beside the repository."""
+    repo_root = Path(__file__).resolve().parents[3]
+    for base in (Path.cwd(), repo_root):
+        candidate = (base / FIXTURE_DIR / name).resolve()
+        if candidate.is_file():
+            return candidate
+    raise DemoError(f"cannot find the topology fixture {FIXTURE_DIR / name} beside the repo")
+
+
+def two_node_cluster(fixture: Path) -> Cluster:
+    """Two identical nodes ``node-0`` and ``node-1`` built from one ``topo -m`` capture."""
+    try:
+        node = discover_from_files({"nvidia-smi-topo": fixture}, name="node", gpu_name=GPU_NAME)
+    except ParseError as exc:
+        raise DemoError(f"cannot build the demo topology from {fixture}: {exc}") from None
+    return Cluster.replicate(node, 2)
+
+
+def worker_info(placement: Placement, cluster: Cluster, address: str = "") -> WorkerInfo:
+    """The registry record of a demo worker on its emulated GPU."""
+    gpu = cluster.gpu(placement.node, placement.gpu)
+    nics = cluster.nearest_nics(placement.node, placement.gpu)
+    return WorkerInfo(
+        worker_id=placement.worker_id,
+        role=placement.role,
+        node=placement.node,
+        host_id="local",
+        gpus=(placement.gpu,),
+        nvlink_domain=gpu.nvlink_domain,
+        capabilities=WorkerCapabilities(
+            nvlink=gpu.nvlink_domain is not None, rdma=bool(nics), tcp=True, shm=True
+        ),
+        address=address,
+    )
+
+
+def medium_for(mode: str) -> str:
+    """The real medium under an emulated path class on this single host."""
+    return MEDIUM_FOR_MODE.get(mode, "tcp")
+
+
+@dataclass(frozen=True)
+class LinkChoice:
+    """A transfer's path: its class, modelled bandwidth and setup, and the medium under it."""
+
+    mode: str
+    bandwidth_gbps: float
+    setup_s: float
+    medium: str
+
+    @classmethod
+    def from_selection(cls, selection: Selection) -> LinkChoice:
+        chosen = selection.chosen
+        return cls(
+            chosen.transport,
+            chosen.bandwidth_gbps,
+            chosen.setup_latency_s,
+            medium_for(chosen.transport),
+        )
+
+
+def pair_view(cluster: Cluster, src: Endpoint, dst: Endpoint) -> PairView:
+    return pair_view_from_cluster(cluster, src, dst)

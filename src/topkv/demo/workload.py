@@ -1,0 +1,97 @@
+"""The demo's workload: requests replayed from the Azure LLM inference trace 2023.
+
+Prompt lengths are mapped into the small model's range on a log scale (the shortest trace
+prompt of the window becomes ``min_tokens``, the longest ``max_tokens``, order preserved);
+arrival times are compressed by ``speedup``. Each request gets a deterministic prompt
+(:func:`topkv.engine.prompt_token_ids`) seeded by the demo seed and its index.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from topkv.demo.errors import DemoError
+from topkv.sim.errors import SimError
+from topkv.sim.workload import read_azure_csv
+
+#: Where the trace lives relative to the repository root (shared/ sits beside the repo).
+DEFAULT_TRACE = Path("..") / "shared" / "traces" / "azure_2023" / "AzureLLMInferenceTrace_conv.csv"
+
+
+@dataclass(frozen=True)
+class DemoRequest:
+    """One replayed request."""
+
+    rid: int
+    arrival_s: float  # seconds after the demo starts submitting
+    prompt_len: int  # tokens, scaled into the model's range
+    trace_prompt_tokens: int  # ContextTokens in the trace
+    trace_output_tokens: int  # GeneratedTokens in the trace
+    prompt_seed: int  # seed of the prompt's token ids
+
+
+def find_trace(explicit: Path | None = None) -> Path:
+    """The trace file: ``explicit``, else ../shared/... from the cwd or from this package."""
+    if explicit is not None:
+        if not explicit.is_file():
+            raise DemoError(f"trace {explicit} does not exist; pass --trace FILE")
+        return explicit
+    repo_root = Path(__file__).resolve().parents[3]
+    for base in (Path.cwd(), repo_root):
+        candidate = (base / DEFAULT_TRACE).resolve()
+        if candidate.is_file():
+            return candidate
+    raise DemoError(
+        f"cannot find {DEFAULT_TRACE} beside the repository; pass --trace FILE "
+        "(an Azure LLM inference trace 2023 CSV)"
+    )
+
+
+def scale_length(tokens: int, low: int, high: int, min_tokens: int, max_tokens: int) -> int:
+    """Map ``tokens`` in ``[low, high]`` onto ``[min_tokens, max_tokens]`` on a log scale."""
+    if high <= low:
+        return max_tokens if low > 0 else min_tokens
+    position = math.log(tokens / low) / math.log(high / low)
+    scaled: float = min_tokens * (max_tokens / min_tokens) ** min(1.0, max(0.0, position))
+    return round(scaled)
+
+
+def load_requests(
+    trace: Path,
+    count: int,
+    *,
+    seed: int,
+    min_tokens: int = 128,
+    max_tokens: int = 1024,
+    speedup: float = 2.0,
+) -> list[DemoRequest]:
+    """The first ``count`` requests of ``trace``, scaled for the demo model."""
+    if count < 1:
+        raise DemoError(f"--requests must be >= 1, got {count}")
+    if not 1 <= min_tokens <= max_tokens:
+        raise DemoError(f"prompt range [{min_tokens}, {max_tokens}] is empty")
+    if not (math.isfinite(speedup) and speedup > 0):
+        raise DemoError(f"speedup must be a positive number, got {speedup}")
+    try:
+        workload = read_azure_csv(trace)
+    except (SimError, OSError) as exc:
+        raise DemoError(f"cannot read the trace {trace}: {exc}") from None
+    rows = workload.requests[:count]
+    if len(rows) < count:
+        raise DemoError(f"the trace {trace} has {len(rows)} requests, fewer than {count}")
+    low = min(r.input_tokens for r in rows)
+    high = max(r.input_tokens for r in rows)
+    start = rows[0].arrival_s
+    return [
+        DemoRequest(
+            rid=index,
+            arrival_s=(row.arrival_s - start) / speedup,
+            prompt_len=scale_length(row.input_tokens, low, high, min_tokens, max_tokens),
+            trace_prompt_tokens=row.input_tokens,
+            trace_output_tokens=row.output_tokens,
+            prompt_seed=seed * 1_000_003 + index,
+        )
+        for index, row in enumerate(rows)
+    ]
