@@ -81,7 +81,6 @@ log = logging.getLogger(__name__)
 SEGMENT_DIR = Path("/dev/shm")
 SEGMENT_PREFIX = "topkv-shm-"
 _SEGMENT_NAME = re.compile(r"^topkv-shm-(\d+)-(\d+)-(\d+)$")
-COPY_CHUNK = 256 << 10
 _connection_ids = itertools.count(1)
 
 
@@ -117,12 +116,13 @@ def segments_of(pid: int, directory: Path = SEGMENT_DIR) -> list[str]:
 
 
 def copy_with_crc(dst: memoryview, src: memoryview) -> int:
-    """Copy ``src`` into ``dst`` and return the CRC-64 of the bytes, in one pass."""
-    crc = 0
-    for start in range(0, len(src), COPY_CHUNK):
-        end = start + COPY_CHUNK
-        dst[start:end] = src[start:end]
-        crc = framing.crc64(dst[start:end], crc)
+    """Copy ``src`` into ``dst`` and return the CRC-64 of the bytes.
+
+    Two whole-buffer passes (CRC of the source, then one memcpy) measured faster here than
+    a chunked copy fused with the CRC, whose per-chunk calls broke the streaming copy.
+    """
+    crc = framing.crc64(src)
+    dst[:] = src
     return crc
 
 
