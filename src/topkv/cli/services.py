@@ -293,3 +293,19 @@ def register(app: typer.Typer) -> None:
     cluster = typer.Typer(help="Run a local cluster of real processes.", no_args_is_help=True)
     cluster.command("up")(cluster_up_command)
     app.add_typer(cluster, name="cluster")
+
+
+def main() -> None:
+    """Entry point with only these commands (what ``topkv cluster up`` runs its children with:
+    it skips importing every other command's dependencies)."""
+    import sys
+
+    from topkv.errors import TopKVError
+
+    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True)
+    register(app)
+    try:
+        app(standalone_mode=True)
+    except TopKVError as exc:
+        print(f"topkv: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -42,7 +42,7 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 
 def topkv_command(*args: str) -> list[str]:
     """argv running ``topkv ARGS`` with this interpreter (no reliance on PATH)."""
-    return [sys.executable, "-c", "from topkv.cli.main import app; app()", *args]
+    return [sys.executable, "-c", "from topkv.cli.services import main; main()", *args]
 
 
 @dataclass(frozen=True)
