@@ -28,6 +28,7 @@ registers ``nixl``, ``mooncake`` and ``cuda`` with :mod:`topkv.transport.registr
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import importlib.util
 import itertools
@@ -44,7 +45,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,6 +91,7 @@ ARENA_ALIGN = 4096
 HELLO_MAGIC = b"TKVENG01"
 _HELLO = struct.Struct("<8sQI")  # magic, arena capacity, metadata length
 MAX_METADATA_BYTES = 1 << 20
+WRITE_WINDOW = 2  # engine writes in flight per transfer
 _KEY_OFFSET = 16  # request key position in the wire header (see topkv.wire.header)
 _KEY_END = _KEY_OFFSET + 16
 
@@ -693,6 +695,51 @@ class _EngineOutgoing(OutgoingTransfer):
             raise reply
         return reply
 
+    def _pipeline(self, offset: int) -> None:
+        """Engine writes of up to ``WRITE_WINDOW`` layers in flight; CRCs computed meanwhile.
+
+        Headers go out in queue order, each only after its layer's write completed, and
+        as soon as it completed when the producer has nothing more queued yet (so
+        ``on_layer`` fires at the receiver without waiting for later layers).
+        """
+        conn, source, layout = self._conn, self._conn.source, self.descriptor.layout
+        pending: collections.deque[tuple[EngineLayer, Future[None], tuple[int, ...]]]
+        pending = collections.deque()
+        finishing = False
+        while True:
+            if pending and (finishing or len(pending) >= WRITE_WINDOW or self._queue.empty()):
+                item, write, crcs = pending.popleft()
+                try:
+                    write.result(source.io_timeout + 5)
+                except TimeoutError:
+                    raise TransferTimeout(
+                        f"engine write of layer {item.layer} did not complete in time"
+                    ) from None
+                conn.send(framing.encode_layer_header(self.descriptor, item.layer, crcs))
+                continue
+            if finishing or self._future.done():
+                break
+            entry = self._queue.get()
+            if entry is _FINISH:
+                finishing = True  # send the headers of the writes still in flight, then stop
+                continue
+            if self._future.done():
+                break
+            assert isinstance(entry, EngineLayer)
+            base = offset + entry.layer * layout.layer_bytes
+            pieces = [
+                (tensor, base + index * layout.tensor_bytes)
+                for index, tensor in enumerate(entry.tensors)
+            ]
+            write = source.executor().submit(
+                self._engine.write, conn.peer, pieces, source.io_timeout, conn.abort
+            )
+            crcs = entry.crcs or tuple(self._engine.crc(t) for t in entry.tensors)
+            pending.append((entry, write, crcs))
+        for _item, write, _crcs in pending:  # a failure or cancel: let writes settle
+            with contextlib.suppress(Exception):
+                write.result(source.io_timeout + 5)
+
     def _run(self) -> None:
         conn, source = self._conn, self._conn.source
         rid = self.descriptor.request_id
@@ -705,19 +752,7 @@ class _EngineOutgoing(OutgoingTransfer):
             offset = reply.arg0
             if offset + layout.total_bytes > conn.capacity:
                 raise FrameRejected(f"sink offered region {offset} outside its arena")
-            while True:
-                item = self._queue.get()
-                if item is _FINISH or self._future.done():
-                    break
-                assert isinstance(item, EngineLayer)
-                base = offset + item.layer * layout.layer_bytes
-                pieces = [
-                    (tensor, base + index * layout.tensor_bytes)
-                    for index, tensor in enumerate(item.tensors)
-                ]
-                self._engine.write(conn.peer, pieces, source.io_timeout, conn.abort)
-                crcs = item.crcs or tuple(self._engine.crc(t) for t in item.tensors)
-                conn.send(framing.encode_layer_header(self.descriptor, item.layer, crcs))
+            self._pipeline(offset)
             if self._future.done():
                 return
             conn.send(_control(framing.ControlKind.DONE, rid))
@@ -772,6 +807,16 @@ class EngineSource(TransferSource):
         self.ack_timeout = ack_timeout
         self._conns: dict[tuple[str, int], _Connection] = {}
         self._lock = threading.Lock()
+        self._executor: ThreadPoolExecutor | None = None
+
+    def executor(self) -> ThreadPoolExecutor:
+        """Threads that run engine writes (shared by this source's transfers)."""
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(
+                    max_workers=2 * WRITE_WINDOW, thread_name_prefix=f"{self.name}-write"
+                )
+            return self._executor
 
     def _connection(self, destination: str) -> _Connection:
         key = parse_engine_address(destination, self.scheme)
@@ -797,6 +842,10 @@ class EngineSource(TransferSource):
             conns = list(self._conns.values())
         for conn in conns:
             conn.close()
+        with self._lock:
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=False, cancel_futures=True)
         self.engine.close()
 
 
