@@ -212,3 +212,29 @@ def test_worker_control_api_rejects_bad_input(make_cluster: ClusterFactory) -> N
     assert refused.value.status == 502 and refused.value.body["error"]["kind"] == "transport"
     assert http_json("DELETE", f"{base}/v1/kv/5") == {"request_id": 5, "released": True}
     assert http_json("GET", f"{base}/v1/info")["held"] == 0
+
+
+def test_dead_destination_still_registered_is_rerouted(make_cluster: ClusterFactory) -> None:
+    # A long lease: the registry still lists the killed worker when the next request comes,
+    # so the attempt itself must discover the death and reroute.
+    cluster = make_cluster(prefill=1, decode=2, ttl_s=60.0)
+    client = cluster.client()
+    client.submit(request_id=1, model="m", layout=LAYOUT)
+    first = client.wait_done(1, 30)
+    favourite = first["destination"]  # ties break by worker id: routing picks it again
+    victim = next(p for p in cluster.workers.values() if p.ready["worker_id"] == favourite)
+    cluster.supervisor.kill(victim)
+    assert favourite in {w["worker"]["worker_id"] for w in client.workers()}
+
+    client.submit(request_id=2, model="m", layout=LAYOUT)
+    second = client.wait_done(2, 60)
+    assert second["state"] == "delivered", second
+    assert second["destination"] != favourite
+    assert second["reroutes"] == 1
+    assert second["attempts"][0]["destination"] == favourite
+    assert second["attempts"][0]["error"] == "destination_died"
+    assert second["decode_check"]["matches_source"]
+    assert metric(client.metrics(), "topkv_transfer_reroutes_total") == 1
+    # The source released its KV after the verified delivery: nothing stranded there.
+    prefill = next(p for n, p in cluster.workers.items() if n.startswith("prefill"))
+    assert http_json("GET", f"{prefill.ready['control_url']}/v1/info")["held"] == 0
