@@ -205,32 +205,10 @@ def run_topkv(transport: str, size: int, repeat: int) -> dict[str, Any]:
 def run_topkv_over_engine(
     transport: str, size: int, repeat: int, options: dict[str, Any]
 ) -> dict[str, Any]:
-    from topkv.transport.backends import spawn_sender, spawn_sink
-    from topkv.transport.benchmark import bench_layout
+    from topkv.transport.backends import run_engine_benchmark
 
-    layout = bench_layout(size)
-    secret = os.urandom(16)
-    sink, address = spawn_sink(
-        None,
-        transport,
-        secret,
-        first=1,
-        count=repeat + 1,
-        options={**options, "capacity_bytes": layout.total_bytes + (1 << 20)},
-    )
-    try:
-        sender = spawn_sender(
-            None, transport, address, secret, 1, layout, repeat=repeat + 1, options=options
-        )
-        records = [sender.record(300) for _ in range(repeat + 1)]
-        received = [sink.record(300) for _ in range(repeat + 1)]
-        sender.stop()
-    finally:
-        sink.stop()
-    if not all(r["ok"] for r in records + received):
-        raise RuntimeError(f"{transport}: {records} {received}")
-    seconds = statistics.median(r["seconds"] for r in records[1:])
-    return {"gbps": layout.total_bytes / seconds / 1e9, "checksum": "verified"}
+    report = run_engine_benchmark(transport, size, repeat, options)
+    return {"gbps": report["gbps"], "checksum": report["checksum"]}
 
 
 # -- driver ------------------------------------------------------------------------------

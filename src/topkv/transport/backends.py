@@ -1062,10 +1062,16 @@ def _emit(record: dict[str, Any]) -> None:
 
 
 def peer_sink(
-    transport: str, secret: bytes, options: dict[str, Any], first: int, count: int
+    transport: str,
+    secret: bytes,
+    options: dict[str, Any],
+    first: int,
+    count: int,
+    digest_all: bool = True,
 ) -> None:
     """Print ``ADDRESS <sink address>``, ``LAYER <rid> <layer>`` per verified layer, then
-    one JSON line per received request ``first..``."""
+    one JSON line per received request ``first..`` (with the SHA-256 of its bytes; only for
+    the last one when ``digest_all`` is false, which keeps benchmarks' timings clean)."""
 
     def announce(descriptor: TransferDescriptor, layer: int, tensors: LayerTensors) -> None:
         print(f"LAYER {descriptor.request_id} {layer}", flush=True)
@@ -1079,7 +1085,9 @@ def peer_sink(
             except TransportError as exc:
                 _emit({"rid": rid, "ok": False, "error": type(exc).__name__, "message": str(exc)})
                 continue
-            _emit({"rid": rid, "ok": True, "sha256": kv_digest(kv.layers)})
+            last = rid == first + count - 1
+            digest = kv_digest(kv.layers) if digest_all or last else None
+            _emit({"rid": rid, "ok": True, "sha256": digest})
             kv.release()
         import sys
 
@@ -1158,6 +1166,7 @@ def _peer_main(argv: Sequence[str]) -> None:
     sink.add_argument("--first", type=int, default=1)
     sink.add_argument("--count", type=int, default=1)
     sink.add_argument("--options", default="{}")
+    sink.add_argument("--digest-last-only", action="store_true")
     send = sub.add_parser("send")
     send.add_argument("transport")
     send.add_argument("address")
@@ -1173,7 +1182,14 @@ def _peer_main(argv: Sequence[str]) -> None:
     args = parser.parse_args(argv)
     options = json.loads(args.options)
     if args.role == "sink":
-        peer_sink(args.transport, bytes.fromhex(args.secret_hex), options, args.first, args.count)
+        peer_sink(
+            args.transport,
+            bytes.fromhex(args.secret_hex),
+            options,
+            args.first,
+            args.count,
+            not args.digest_last_only,
+        )
     else:
         peer_send(
             args.transport,
@@ -1186,6 +1202,143 @@ def _peer_main(argv: Sequence[str]) -> None:
             options,
             args.from_device,
         )
+
+
+# -- ``topkv bench transfer --transport nixl|mooncake|cuda`` ---------------------------------
+
+
+def memcpy_gbps(size: int, repeat: int) -> float:
+    """One copy into a preallocated, faulted-in buffer: the same-host limit."""
+    import statistics
+
+    import numpy as np
+
+    src = np.random.default_rng(1).integers(0, 256, size, dtype=np.uint8)
+    dst = np.ones(size, dtype=np.uint8)
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        dst[:] = src
+        times.append(time.perf_counter() - start)
+    return size / statistics.median(times) / 1e9
+
+
+def _raw_receiver(port_out: Any, size: int, repeat: int) -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+    port_out.send(listener.getsockname()[1])
+    buffer = memoryview(bytearray(size))
+    peer, _ = listener.accept()
+    with peer, listener:
+        for _ in range(repeat):
+            got = 0
+            while got < size:
+                n = peer.recv_into(buffer[got:])
+                if n == 0:
+                    return
+                got += n
+            peer.sendall(b"k")
+
+
+def raw_socket_gbps(size: int, repeat: int) -> float:
+    """Blocking ``sendall`` -> ``recv_into`` a preallocated buffer between two processes."""
+    import multiprocessing
+    import statistics
+
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_raw_receiver, args=(child, size, repeat), daemon=True)
+    proc.start()
+    data = _kv_data(size, 2).data
+    times = []
+    try:
+        with socket.create_connection(("127.0.0.1", parent.recv()), timeout=60) as sock:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            for _ in range(repeat):
+                start = time.perf_counter()
+                sock.sendall(data)
+                if sock.recv(1) != b"k":
+                    raise PeerDied("raw-socket receiver failed")
+                times.append(time.perf_counter() - start)
+    finally:
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+    return size / statistics.median(times) / 1e9
+
+
+def run_engine_benchmark(
+    transport: str, size_bytes: int, repeat: int = 5, options: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """``topkv bench transfer`` for nixl | mooncake | cuda, same JSON as the other media.
+
+    Sink and sender are separate processes; nixl and mooncake run inside a private network
+    namespace. The limit, measured in the same run, is one memcpy for same-host paths (nixl
+    with UCX's default transports, cuda) and a raw blocking socket for TCP paths (mooncake,
+    nixl with ``{"ucx_tls": "tcp"}``).
+    """
+    import statistics
+
+    from topkv.transport.benchmark import bench_layout
+
+    if transport not in ENGINE_TRANSPORTS:
+        raise TransportUnavailable(
+            f"{transport!r} is not an engine transport ({', '.join(ENGINE_TRANSPORTS)})"
+        )
+    reason = missing_package(transport)
+    if reason is not None:
+        raise TransportUnavailable(reason)
+    options = dict(options or {})
+    layout = bench_layout(size_bytes)
+    size = layout.total_bytes
+    tcp_path = transport == "mooncake" or options.get("ucx_tls") == "tcp"
+    limit = raw_socket_gbps(size, repeat) if tcp_path else memcpy_gbps(size, repeat)
+    options.setdefault("capacity_bytes", size + (1 << 20))
+    sink_options = options
+    send_options = {k: v for k, v in options.items() if k != "capacity_bytes"}
+    if transport == "cuda":
+        send_options = {}
+    secret = os.urandom(32)
+    netns = PrivateNetns() if transport != "cuda" else None
+    try:
+        sink, address = spawn_sink(
+            netns, transport, secret, count=repeat + 1, options=sink_options, digest_all=False
+        )
+        try:
+            sender = spawn_sender(
+                netns,
+                transport,
+                address,
+                secret,
+                1,
+                layout,
+                repeat=repeat + 1,
+                options=send_options,
+            )
+            try:
+                sent = [sender.record(600) for _ in range(repeat + 1)]
+                got = [sink.record(600) for _ in range(repeat + 1)]
+            finally:
+                sender.stop()
+        finally:
+            sink.stop()
+    finally:
+        if netns is not None:
+            netns.close()
+    failed = [r for r in sent + got if not r["ok"]]
+    if failed:
+        raise TransportError(f"{transport} benchmark transfer failed: {failed[0]}")
+    if got[-1]["sha256"] != expected_digest(size, 1):
+        raise ChecksumMismatch(f"{transport} benchmark: received bytes differ from the source")
+    gbps = size / statistics.median(r["seconds"] for r in sent[1:]) / 1e9
+    return {
+        "transport": transport,
+        "size_bytes": size,
+        "gbps": round(gbps, 3),
+        "limit_gbps": round(limit, 3),
+        "ratio_to_limit": round(gbps / limit, 3),
+        "checksum": "verified",
+        "emulated": False,
+    }
 
 
 class PeerProcess:
@@ -1243,6 +1396,7 @@ def spawn_sink(
     count: int = 1,
     options: dict[str, Any] | None = None,
     python: str | None = None,
+    digest_all: bool = True,
 ) -> tuple[PeerProcess, str]:
     """Start a sink peer (inside ``netns`` unless None); returns it and its address."""
     import sys
@@ -1250,6 +1404,8 @@ def spawn_sink(
     argv = [python or sys.executable, "-m", "topkv.transport.backends", "sink", transport]
     argv += [secret.hex(), "--first", str(first), "--count", str(count)]
     argv += ["--options", json.dumps(options or {})]
+    if not digest_all:
+        argv.append("--digest-last-only")
     peer = PeerProcess(netns.command(argv) if netns is not None else argv)
     try:
         address = peer.line("ADDRESS ", 60).split(" ", 1)[1]
