@@ -23,10 +23,10 @@ def demo_command(
     seed: int = typer.Option(0, "--seed", help="Seed of the demo model's weights and prompts."),
     new_tokens: int = typer.Option(8, "--new-tokens", min=1, help="Tokens generated each."),
     dilation: float = typer.Option(
-        1000.0, "--dilation", help="Emulated links run this many times slower than modelled."
+        3000.0, "--dilation", help="Emulated links run this many times slower than modelled."
     ),
     speedup: float = typer.Option(
-        2.0, "--speedup", help="Replay the trace's arrivals this many times faster."
+        1.5, "--speedup", help="Replay the trace's arrivals this many times faster."
     ),
     trace: Path | None = typer.Option(None, "--trace", help="Azure LLM trace 2023 CSV."),
 ) -> None:

@@ -1,7 +1,8 @@
 """A local cluster of demo worker processes, started and always torn down together.
 
 :class:`LocalCluster` spawns one process per :class:`~topkv.demo.topology.Placement`
-(multiprocessing ``spawn``: each loads torch and the model itself), waits until each has
+(multiprocessing ``forkserver``: the server imports torch once, each worker builds the
+model itself), waits until each has
 reported ``Ready`` (with its sinks' addresses), and on :meth:`close` - also on errors and
 Ctrl-C, since it is a context manager - asks every worker to stop, waits a little, then
 terminates and finally kills what is left, and joins all of them: no orphans. Workers also
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import os
 import queue
 import secrets
 import time
@@ -24,6 +26,9 @@ from topkv.demo.protocol import Event, Failed, Ready, Stop, WorkerConfig
 from topkv.demo.topology import Placement
 from topkv.demo.worker import worker_main
 from topkv.engine.spec import DemoModelConfig
+
+#: Heavy modules the fork server imports before forking workers.
+WORKER_PRELOAD = ("torch", "transformers", "topkv.engine.models", "topkv.engine.prefill")
 
 
 def check_shared_clock() -> None:
@@ -50,7 +55,10 @@ class LocalCluster:
     ) -> None:
         check_shared_clock()
         self.placements = list(placements)
-        self._context = multiprocessing.get_context("spawn")
+        # A fork server imports torch and transformers once; every worker is forked from it
+        # (single-threaded, so forking is safe), which saves each worker a cold import.
+        self._context = multiprocessing.get_context("forkserver")
+        self._context.set_forkserver_preload(["topkv.demo.worker", *WORKER_PRELOAD])
         self.events: Any = self._context.Queue()
         self.inboxes: dict[str, Any] = {p.worker_id: self._context.Queue() for p in placements}
         self.processes: dict[str, Any] = {}
@@ -86,6 +94,7 @@ class LocalCluster:
             config = WorkerConfig(
                 worker_id=placement.worker_id,
                 role=placement.role,
+                main_pid=os.getpid(),
                 secret=self._secret,
                 model=self._model,
                 seed=self._seed,

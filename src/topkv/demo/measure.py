@@ -14,8 +14,8 @@ Every stamp is on the host's one monotonic clock (see :mod:`topkv.demo.protocol`
   measured per-layer compute (the intervals between the prefill worker's layer-ready stamps,
   plus the tail from the last layer to the end of the forward pass, which sends nothing) and
   the per-layer transfer times measured on the *serial* send of the same KV over the same
-  path, ``landed_l - max(offered_l, landed_{l-1})`` (the time the link spent on layer l).
-  The model's input does not come from the run it predicts.
+  path (see :func:`link_times_from_serial`). The model's input does not come from the run
+  it predicts.
 * ``ttft_ms``: from the request's arrival to the decode worker starting its first step with
   the verified KV and prefill's first token in hand (queueing included).
 """
@@ -31,17 +31,29 @@ from topkv.demo.errors import DemoError
 from topkv.planner import simulate_pipeline
 
 
-def link_times_from_serial(offered_s: Sequence[float], landed_s: Sequence[float]) -> list[float]:
-    """Per-layer link time of a send whose layers were all available when it started."""
-    if len(offered_s) != len(landed_s) or not landed_s:
-        raise DemoError("serial send: offered and landed stamps do not match")
+def link_times_from_serial(
+    offered_s: Sequence[float], handed_s: Sequence[float], landed_s: Sequence[float]
+) -> list[float]:
+    """Per-layer transfer time measured on a send of the whole cache after prefill.
+
+    Layer l's time is its slot on the link, ``handed_l - max(offered_l, handed_{l-1})``
+    (when the paced link released it to the real medium), plus the medium's delivery
+    latency, ``landed - handed``, taken as the median over the send's layers so that a
+    momentary backlog of the medium on this busy host does not distort every layer.
+    """
+    count = len(landed_s)
+    if not count or len(offered_s) != count or len(handed_s) != count:
+        raise DemoError("serial send: offered, handed and landed stamps do not match")
+    if any(math.isnan(t) for t in landed_s):
+        raise DemoError("serial send: a layer has no landing stamp")
+    delivery = quantile(
+        sorted(max(0.0, a - h) for a, h in zip(landed_s, handed_s, strict=True)), 0.5
+    )
     times: list[float] = []
     previous = -math.inf
-    for offered, landed in zip(offered_s, landed_s, strict=True):
-        if math.isnan(landed):
-            raise DemoError("serial send: a layer has no landing stamp")
-        times.append(max(0.0, landed - max(offered, previous)))
-        previous = max(previous, landed)
+    for offered, handed in zip(offered_s, handed_s, strict=True):
+        times.append(max(0.0, handed - max(offered, previous)) + delivery)
+        previous = max(previous, handed)
     return times
 
 

@@ -21,6 +21,7 @@ ExpectKind = Literal["decode", "drain"]
 class WorkerConfig:
     worker_id: str
     role: Literal["prefill", "decode"]
+    main_pid: int
     secret: bytes
     model: DemoModelConfig
     seed: int

@@ -65,8 +65,8 @@ class DemoOptions:
     seed: int = 0
     model_path: str | None = None
     new_tokens: int = 8
-    dilation: float = 1000.0
-    speedup: float = 2.0
+    dilation: float = 3000.0
+    speedup: float = 1.5
     min_tokens: int = 128
     max_tokens: int = 1024
     trace: Path | None = None
@@ -525,7 +525,9 @@ class DemoRun:
         assert prefill is not None and decoded is not None
         prefill_end = prefill.forward_end_s
         exposed = measure.exposed_after(prefill_end, decoded.arrivals_s)
-        link_s = measure.link_times_from_serial(serial_send.offered_s, serial_recv.arrivals_s)
+        link_s = measure.link_times_from_serial(
+            serial_send.offered_s, serial_send.handed_s, serial_recv.arrivals_s
+        )
         modelled = measure.modelled_exposed_s(
             prefill.forward_start_s, prefill.layer_ready_s, prefill_end, link_s
         )

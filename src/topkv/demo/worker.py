@@ -15,6 +15,7 @@ import itertools
 import os
 import queue
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -63,13 +64,24 @@ def _short(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _watch_parent(parent: int, on_orphaned: Callable[[], None]) -> None:
-    """Exit the worker when the main process is gone (never leave an orphan behind)."""
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _watch_parent(main_pid: int, on_orphaned: Callable[[], None]) -> None:
+    """Exit the worker when the main process (or our direct parent) is gone: no orphans."""
+    parent = os.getppid()
 
     def loop() -> None:
         while True:
             time.sleep(0.5)
-            if os.getppid() != parent:
+            if os.getppid() != parent or not _alive(main_pid):
                 on_orphaned()
                 os._exit(3)
 
@@ -541,14 +553,16 @@ class DecodeWorker:
 def worker_main(config: WorkerConfig, inbox: Any, outbox: Any, peers: dict[str, Any]) -> None:
     """Entry point of a worker process (multiprocessing ``spawn`` target)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    parent = os.getppid()
+    # Transport threads (pacer, shm/tcp senders and receivers) must get the GIL quickly
+    # while the main thread runs the model, or their stamps would carry GIL waits.
+    sys.setswitchinterval(0.0005)
     worker: PrefillWorker | DecodeWorker | None = None
 
     def close() -> None:
         if worker is not None:
             worker.close()
 
-    _watch_parent(parent, close)
+    _watch_parent(config.main_pid, close)
     try:
         worker = (
             PrefillWorker(config, outbox, peers)
