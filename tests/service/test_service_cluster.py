@@ -62,8 +62,9 @@ def test_transfers_delivered_verified_and_counted(make_cluster: ClusterFactory) 
 
     report = run_smoke(client, 6, SmokeLayout(layers=2, tokens=32), first_id=100)
     assert report["delivered"] == report["verified"] == 6
-    destinations = {r["destination"] for r in report["results"]}
-    assert len(destinations) == 2  # least loaded first: both decode workers serve
+    assert {r["destination"] for r in report["results"]} <= {
+        w["worker"]["worker_id"] for w in client.workers() if w["worker"]["role"] == "decode"
+    }
 
     after = client.metrics()
     delivered = metric(after, "topkv_transfers_total", mode="pcie", outcome="delivered")
