@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from topkv.demo.errors import DemoError
+from topkv.errors import ConfigError
 from topkv.sim.errors import SimError
 from topkv.sim.workload import read_azure_csv
 
@@ -76,7 +77,7 @@ def load_requests(
         raise DemoError(f"speedup must be a positive number, got {speedup}")
     try:
         workload = read_azure_csv(trace)
-    except (SimError, OSError) as exc:
+    except (SimError, ConfigError, OSError) as exc:
         raise DemoError(f"cannot read the trace {trace}: {exc}") from None
     rows = workload.requests[:count]
     if len(rows) < count:
