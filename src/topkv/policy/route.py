@@ -11,8 +11,9 @@ Rerouting after a destination died is the same call with that worker in ``exclud
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from topkv.policy.errors import NoPathError, PolicyInputError
 from topkv.policy.select import Selection, TransportSelector
@@ -48,18 +49,28 @@ class RouteDecision:
     rationale: str
 
 
-@dataclass(frozen=True)
-class _Scored:
-    worker: DecodeWorkerView
-    selection: Selection
+class RouteScore(NamedTuple):
+    """One decode worker's transfer cost from a source: the selector's chosen estimate.
 
-    @property
-    def cost(self) -> float:
-        return self.selection.chosen.estimated_s
+    Depends only on the pair, the request and the link load, never on the worker's slots
+    or load, so a caller may keep a tuple of scores while those inputs stay the same.
+    """
+
+    cost: float
+    worker_id: str
+    endpoint: Endpoint
+    selection: Selection
 
 
 class RoutingPolicy:
-    """Cheapest transfer, then least loaded, then worker id (see the module docstring)."""
+    """Cheapest transfer, then least loaded, then worker id (see the module docstring).
+
+    :meth:`choose_decode` is the whole decision. It is also available in two steps for a
+    caller that routes many requests between changes of its inputs: :meth:`score` (the
+    transfer costs, independent of slots and worker load) and :meth:`choose_scored` (the
+    rule applied to the workers' current slots and load); ``choose_decode`` is exactly
+    ``choose_scored(score(...))`` over the eligible workers.
+    """
 
     def __init__(self, cost_tolerance: float = 1e-9) -> None:
         if not cost_tolerance >= 0:
@@ -77,35 +88,90 @@ class RoutingPolicy:
         exclude: Collection[str] = frozenset(),
     ) -> RouteDecision | None:
         """The decode worker to send ``request``'s KV to, or None when no worker fits."""
-        scored: list[_Scored] = []
-        for worker in candidates:
-            if not worker.eligible or worker.worker_id in exclude:
-                continue
+        workers = {w.worker_id: w for w in candidates if w.eligible and w.worker_id not in exclude}
+        scores = self.score(
+            source,
+            [(w.worker_id, w.endpoint) for w in workers.values()],
+            pair_view,
+            request,
+            selector,
+            load,
+        )
+        return self.choose_scored(scores, workers)
+
+    @staticmethod
+    def score(
+        source: Endpoint,
+        workers: Iterable[tuple[str, Endpoint]],
+        pair_view: PairViewLookup,
+        request: TransferRequest,
+        selector: TransportSelector,
+        load: LinkLoad = NO_LOAD,
+    ) -> tuple[RouteScore, ...]:
+        """Each worker's transfer cost, cheapest first (then by worker id).
+
+        Workers the selector finds no path to are left out.
+        """
+        scores: list[RouteScore] = []
+        for worker_id, endpoint in workers:
             try:
-                selection = selector.select(pair_view(source, worker.endpoint), request, load)
+                selection = selector.select(pair_view(source, endpoint), request, load)
             except NoPathError:
                 continue
-            scored.append(_Scored(worker, selection))
-        if not scored:
+            scores.append(
+                RouteScore(selection.candidates[0].estimated_s, worker_id, endpoint, selection)
+            )
+        scores.sort(key=_cost_then_id)
+        return tuple(scores)
+
+    def choose_scored(
+        self,
+        scores: Sequence[RouteScore],
+        workers: Mapping[str, DecodeWorkerView],
+        exclude: Collection[str] = frozenset(),
+    ) -> RouteDecision | None:
+        """Apply the rule to ``scores`` (from :meth:`score`, cheapest first).
+
+        ``workers`` holds the current slots and load by worker id; a scored worker missing
+        from it, ineligible or in ``exclude`` is passed over.
+        """
+        usable: list[tuple[RouteScore, DecodeWorkerView]] = []
+        for score in scores:
+            worker = workers.get(score.worker_id)
+            if (
+                worker is None
+                or not (worker.healthy and worker.free_slots > 0)
+                or score.worker_id in exclude
+            ):
+                continue
+            usable.append((score, worker))
+        if not usable:
             return None
-        cheapest = min(s.cost for s in scored)
-        limit = cheapest * (1.0 + self.cost_tolerance)
-        tied = [s for s in scored if s.cost <= limit]
-        best = min(tied, key=lambda s: (s.worker.load, s.worker.worker_id))
-        rest = sorted(
-            (s for s in scored if s is not best),
-            key=lambda s: (s.cost, s.worker.load, s.worker.worker_id),
-        )
+        limit = usable[0][0].cost * (1.0 + self.cost_tolerance)
+        tied = 0
+        while tied < len(usable) and usable[tied][0].cost <= limit:
+            tied += 1
+        if tied == 1:
+            best_index = 0
+        else:
+            best_index = min(range(tied), key=lambda i: (usable[i][1].load, usable[i][0].worker_id))
+        best, best_worker = usable[best_index]
+        rest = [u for i, u in enumerate(usable) if i != best_index]
+        rest.sort(key=lambda u: (u[0].cost, u[1].load, u[0].worker_id))
         why = (
             f"cheapest transfer ({best.cost:.6g} s over {best.selection.choice})"
-            if len(tied) == 1
-            else f"{len(tied)} tie at {best.cost:.6g} s; least loaded ({best.worker.load:g})"
+            if tied == 1
+            else f"{tied} tie at {best.cost:.6g} s; least loaded ({best_worker.load:g})"
         )
         return RouteDecision(
-            worker_id=best.worker.worker_id,
-            endpoint=best.worker.endpoint,
+            worker_id=best.worker_id,
+            endpoint=best_worker.endpoint,
             selection=best.selection,
             estimated_s=best.cost,
-            alternatives=tuple(s.worker.worker_id for s in rest),
+            alternatives=tuple(u[0].worker_id for u in rest),
             rationale=why,
         )
+
+
+def _cost_then_id(score: RouteScore) -> tuple[float, str]:
+    return (score.cost, score.worker_id)

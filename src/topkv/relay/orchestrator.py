@@ -35,7 +35,7 @@ from typing import Literal
 from topkv.errors import ConfigError, TopKVError
 from topkv.policy.clock import Clock, MonotonicClock
 from topkv.policy.errors import PolicyError
-from topkv.policy.route import DecodeWorkerView, RouteDecision, RoutingPolicy
+from topkv.policy.route import DecodeWorkerView, RouteDecision, RouteScore, RoutingPolicy
 from topkv.policy.select import CostPolicy, Selection, TransportSelector
 from topkv.policy.view import NO_LOAD, Endpoint, LinkLoad, PairView, TransferRequest
 from topkv.relay.executor import (
@@ -224,7 +224,9 @@ class Orchestrator:
                 100 ms, completion queue 1000).
             selector: the transport selection policy (default :class:`CostPolicy`).
             routing: the decode routing policy (default :class:`RoutingPolicy`).
-            pair_view: paths between two workers (default: from their registrations).
+            pair_view: paths between two workers (default: from their registrations); it
+                must depend on the two registrations alone, since routing reuses its
+                answers until the registry changes.
             clock: time for records and latencies (default monotonic).
             sleep: awaited for retry backoff (inject an instant one in tests).
             metrics: where to count (default: a fresh registry of its own).
@@ -251,7 +253,23 @@ class Orchestrator:
         self._slots_used: dict[str, int] = {}
         self._slot_of: dict[int, str] = {}
         self._capacity_changed: asyncio.Event | None = None
-        self._load: LinkLoad = NO_LOAD
+        # Live per-link load, kept as counters; the immutable snapshot the policies read
+        # is built only when routing needs it and something changed since the last one.
+        self._link_bytes: dict[str, int] = {}
+        self._link_flows: dict[str, int] = {}
+        self._load: LinkLoad | None = NO_LOAD
+        # Decode workers as routing sees them, kept current on slot and registry changes.
+        self._decode_views: dict[str, DecodeWorkerView] = {}
+        # Routing costs per (source, request), reused while the source's registration, the
+        # registry version and the load snapshot stay the same. Only when the selection
+        # policy is declared pure (CachingSelector) and the routing rule is the stock one.
+        self._reuse_scores = isinstance(self.selector, CachingSelector) and (
+            type(self.routing) is RoutingPolicy
+        )
+        self._scores: dict[
+            tuple[str, TransferRequest], tuple[WorkerInfo, LinkLoad, int, tuple[RouteScore, ...]]
+        ] = {}
+        self._requests: dict[tuple[int, int, str | None], TransferRequest] = {}
         self._endpoints: dict[str, tuple[WorkerInfo, Endpoint]] = {}
         self._in_flight = 0
         self.max_in_flight_seen = 0
@@ -542,11 +560,7 @@ class Orchestrator:
             )
         excluded: set[str] = set()
         retry = self.config.retry
-        request = TransferRequest(
-            nbytes=record.size_bytes,
-            chunks=record.layout.num_layers * self.config.chunks_per_layer,
-            manual_override=record.manual_override,
-        )
+        request = self._request_for(record)
         while True:
             decision = await self._route(record, source, request, excluded)
             destination = self.view.get(decision.worker_id)
@@ -644,37 +658,70 @@ class Orchestrator:
     def _choose(
         self, source: WorkerInfo, request: TransferRequest, excluded: set[str]
     ) -> RouteDecision | None:
-        decoders = self.view.workers("decode")
-        by_endpoint: dict[Endpoint, WorkerInfo] = {}
-        views: list[DecodeWorkerView] = []
-        for info in decoders:
-            endpoint = self._endpoint(info)
-            by_endpoint[endpoint] = info
-            used = self._slots_used.get(info.worker_id, 0)
-            views.append(
-                DecodeWorkerView(
-                    worker_id=info.worker_id,
-                    endpoint=endpoint,
-                    free_slots=info.capacity - used,
-                    load=used / info.capacity if info.capacity else 1.0,
-                )
-            )
-
-        def lookup(_src: Endpoint, dst: Endpoint) -> PairView:
-            return self._pair_view(source, by_endpoint[dst])
-
         try:
+            if self._reuse_scores:
+                return self.routing.choose_scored(
+                    self._route_scores(source, request), self._decode_views, excluded
+                )
+            by_endpoint = self._decoders_by_endpoint()
+
+            def lookup(_src: Endpoint, dst: Endpoint) -> PairView:
+                return self._pair_view(source, by_endpoint[dst])
+
             return self.routing.choose_decode(
                 self._endpoint(source),
-                views,
+                list(self._decode_views.values()),
                 lookup,
                 request,
                 self.selector,
-                self._load,
+                self._load_snapshot(),
                 excluded,
             )
         except PolicyError as exc:
             raise _Exhausted(FailureKind.NO_DESTINATION, f"routing refused: {exc}") from exc
+
+    def _decoders_by_endpoint(self) -> dict[Endpoint, WorkerInfo]:
+        return {self._endpoint(info): info for info in self.view.workers("decode")}
+
+    def _route_scores(self, source: WorkerInfo, request: TransferRequest) -> tuple[RouteScore, ...]:
+        """Every decode worker's transfer cost from ``source`` (cached, see __init__)."""
+        load = self._load_snapshot()
+        version = self.view.version
+        key = (source.worker_id, request)
+        found = self._scores.get(key)
+        if found is not None and found[0] is source and found[1] is load and found[2] == version:
+            return found[3]
+        by_endpoint = self._decoders_by_endpoint()
+
+        def lookup(_src: Endpoint, dst: Endpoint) -> PairView:
+            return self._pair_view(source, by_endpoint[dst])
+
+        scores = self.routing.score(
+            self._endpoint(source),
+            [(info.worker_id, endpoint) for endpoint, info in by_endpoint.items()],
+            lookup,
+            request,
+            self.selector,
+            load,
+        )
+        if len(self._scores) >= 1024:
+            self._scores.clear()
+        self._scores[key] = (source, load, version, scores)
+        return scores
+
+    def _request_for(self, record: TransferRecord) -> TransferRequest:
+        """The policies' view of ``record`` (one shared object per distinct request)."""
+        key = (
+            record.size_bytes,
+            record.layout.num_layers * self.config.chunks_per_layer,
+            record.manual_override,
+        )
+        request = self._requests.get(key)
+        if request is None:
+            if len(self._requests) >= 1024:
+                self._requests.clear()
+            request = self._requests[key] = TransferRequest(*key)
+        return request
 
     async def _one_attempt(
         self,
@@ -926,9 +973,24 @@ class Orchestrator:
             found = self._endpoints[info.worker_id] = (info, endpoint_of(info))
         return found[1]
 
+    def _refresh_decode_view(self, worker_id: str) -> None:
+        """Rebuild routing's view of ``worker_id`` from its registration and slots."""
+        info = self.view.get(worker_id)
+        if info is None or info.role != "decode":
+            self._decode_views.pop(worker_id, None)
+            return
+        used = self._slots_used.get(worker_id, 0)
+        self._decode_views[worker_id] = DecodeWorkerView(
+            worker_id=worker_id,
+            endpoint=self._endpoint(info),
+            free_slots=info.capacity - used,
+            load=used / info.capacity if info.capacity else 1.0,
+        )
+
     def _reserve_slot(self, record: TransferRecord, worker_id: str) -> None:
         run = self._runs.get(record.request_id)
         self._slots_used[worker_id] = self._slots_used.get(worker_id, 0) + 1
+        self._refresh_decode_view(worker_id)
         if run is not None:
             run.slot_holder = worker_id
 
@@ -944,6 +1006,7 @@ class Orchestrator:
             self._slots_used[worker_id] = used
         else:
             self._slots_used.pop(worker_id, None)
+        self._refresh_decode_view(worker_id)
         self._signal_capacity()
 
     def _signal_capacity(self) -> None:
@@ -952,18 +1015,46 @@ class Orchestrator:
             event.set()
             self._capacity_changed = asyncio.Event()
 
+    def _load_snapshot(self) -> LinkLoad:
+        """The link load now, as the policies read it (rebuilt only after a change)."""
+        load = self._load
+        if load is None:
+            load = self._load = (
+                LinkLoad(self._link_bytes, self._link_flows) if self._link_flows else NO_LOAD
+            )
+        return load
+
     def _add_flow(self, run: _Run, links: tuple[str, ...], nbytes: int) -> None:
+        # Same arithmetic as LinkLoad.with_flow, on counters instead of a new snapshot.
         if links:
-            self._load = self._load.with_flow(links, nbytes)
+            in_flight, flows = self._link_bytes, self._link_flows
+            for link in dict.fromkeys(links):
+                in_flight[link] = in_flight.get(link, 0) + nbytes
+                flows[link] = flows.get(link, 0) + 1
+            self._load = None
             run.flow = (links, nbytes)
 
     def _remove_flow(self, run: _Run) -> None:
         if run.flow is not None:
             links, nbytes = run.flow
-            self._load = self._load.without_flow(links, nbytes)
+            in_flight, flows = self._link_bytes, self._link_flows
+            for link in dict.fromkeys(links):
+                left = in_flight.get(link, 0) - nbytes
+                if left > 0:
+                    in_flight[link] = left
+                else:
+                    in_flight.pop(link, None)
+                count = flows.get(link, 0) - 1
+                if count > 0:
+                    flows[link] = count
+                else:
+                    flows.pop(link, None)
+            self._load = None
             run.flow = None
 
     def _on_worker_event(self, event: RegistryEvent) -> None:
+        self._scores.clear()
+        self._refresh_decode_view(event.worker_id)
         if event.kind == "leave":
             for run in self._runs.values():
                 record_destination = run.slot_holder
@@ -977,6 +1068,7 @@ class Orchestrator:
                 if worker == event.worker_id:
                     del self._slot_of[request_id]
                     self._slots_used.pop(worker, None)
+            self._decode_views.pop(event.worker_id, None)
         self._signal_capacity()
 
 

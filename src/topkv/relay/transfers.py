@@ -18,6 +18,7 @@ the destination holds a copy whose digest is being checked against the source's.
 from __future__ import annotations
 
 import enum
+import functools
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -143,8 +144,9 @@ class TransferRecord:
     emulated: bool = False
     transfer_seconds: float | None = None
 
-    @property
+    @functools.cached_property
     def size_bytes(self) -> int:
+        """Bytes of the KV (the layout never changes; computed once)."""
         return self.layout.total_bytes
 
     @property
