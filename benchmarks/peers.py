@@ -269,11 +269,22 @@ def main() -> None:
         ratios["topkv-tcp / raw socket"] = tcp / rows["limit-raw-socket"]["gbps"]
     if shm:
         ratios["topkv-shm / memcpy"] = shm / rows["limit-memcpy"]["gbps"]
-    report = {"size_bytes": size, "repeat": args.repeat, "rows": rows, "ratios": ratios}
+    load = os.getloadavg()  # the figures move with other load on the machine: say how much
+    report = {
+        "size_bytes": size,
+        "repeat": args.repeat,
+        "cpus": os.cpu_count(),
+        "load_average": [round(x, 2) for x in load],
+        "rows": rows,
+        "ratios": ratios,
+    }
     if args.json:
         print(json.dumps(report, indent=2))
         return
-    print(f"{size / (1 << 20):.0f} MiB, median of {args.repeat}, two processes, private netns")
+    print(
+        f"{size / (1 << 20):.0f} MiB, median of {args.repeat}, two processes, private netns; "
+        f"{os.cpu_count()} CPUs, load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}"
+    )
     print(f"{'path':<34}{'GB/s':>8}  notes")
     for name, row in rows.items():
         if "skipped" in row:
