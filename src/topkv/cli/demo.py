@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -47,6 +48,7 @@ def demo_command(
         speedup=speedup,
         trace=trace,
     )
+    _interrupt_on_signals()
     err = Console(stderr=True)
     started = time.perf_counter()
     with Live(console=err, refresh_per_second=8, transient=False) as live:
@@ -57,7 +59,12 @@ def demo_command(
             live.update(progress_view(progress))
 
         run = DemoRun(options, on_progress=show)
-        results = run.run()
+        try:
+            results = run.run()
+        except KeyboardInterrupt:
+            live.stop()
+            err.print("topkv demo: interrupted; every worker process was stopped")
+            raise typer.Exit(130) from None
     summary = summarize(results, options, time.perf_counter() - started, run.model_id)
     if as_json:
         payload = {"requests": [request_json(r) for r in results], "summary": summary}
@@ -70,6 +77,19 @@ def demo_command(
         out.print(summary_text(summary))
     if not summary["all_tokens_identical"]:
         raise typer.Exit(1)
+
+
+def _interrupt_on_signals() -> None:
+    """Ctrl-C and SIGTERM unwind the run, so the cluster stops every worker it started.
+
+    (A shell starts background jobs with SIGINT ignored; the demo still wants it.)
+    """
+
+    def interrupt(signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGINT, interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
 
 
 def register(app: typer.Typer) -> None:
