@@ -14,7 +14,7 @@ from topkv.policy.clock import Clock, ManualClock, MonotonicClock
 from topkv.policy.errors import NoPathError, PolicyError, PolicyInputError
 from topkv.policy.estimate import CandidateEstimate, estimate_path
 from topkv.policy.pairs import pair_view_from_facts
-from topkv.policy.route import DecodeWorkerView, RouteDecision, RoutingPolicy
+from topkv.policy.route import DecodeWorkerView, RouteDecision, RouteScore, RoutingPolicy
 from topkv.policy.select import (
     CostPolicy,
     PaperPolicy,
@@ -28,6 +28,7 @@ from topkv.policy.view import (
     NO_LOAD,
     Endpoint,
     LinkLoad,
+    LinkLoadTracker,
     PairView,
     PathCandidate,
     TransferRequest,
@@ -44,6 +45,7 @@ __all__ = [
     "DecodeWorkerView",
     "Endpoint",
     "LinkLoad",
+    "LinkLoadTracker",
     "ManualClock",
     "MonotonicClock",
     "NoPathError",
@@ -54,6 +56,7 @@ __all__ = [
     "PolicyError",
     "PolicyInputError",
     "RouteDecision",
+    "RouteScore",
     "RoutingPolicy",
     "Selection",
     "TransferRequest",

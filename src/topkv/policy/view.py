@@ -165,6 +165,57 @@ class LinkLoad:
 NO_LOAD = LinkLoad()
 
 
+class LinkLoadTracker:
+    """Mutable counters behind a :class:`LinkLoad`, for a caller that adds and removes
+    flows far more often than a policy reads the load.
+
+    :meth:`add` and :meth:`remove` do the arithmetic of :meth:`LinkLoad.with_flow` and
+    :meth:`LinkLoad.without_flow`; :meth:`snapshot` returns the equal immutable snapshot,
+    built only when something changed since the last one (:data:`NO_LOAD` when idle), so
+    equal consecutive snapshots are the same object.
+    """
+
+    __slots__ = ("_bytes", "_flows", "_snapshot")
+
+    def __init__(self) -> None:
+        self._bytes: dict[str, int] = {}
+        self._flows: dict[str, int] = {}
+        self._snapshot: LinkLoad | None = NO_LOAD
+
+    def add(self, links: Iterable[str], nbytes: int) -> None:
+        """One more flow of ``nbytes`` on each of ``links``."""
+        in_flight, flows = self._bytes, self._flows
+        for link in dict.fromkeys(links):
+            in_flight[link] = in_flight.get(link, 0) + nbytes
+            flows[link] = flows.get(link, 0) + 1
+        self._snapshot = None
+
+    def remove(self, links: Iterable[str], nbytes: int) -> None:
+        """One flow of ``nbytes`` fewer on each of ``links`` (never below zero)."""
+        in_flight, flows = self._bytes, self._flows
+        for link in dict.fromkeys(links):
+            left = in_flight.get(link, 0) - nbytes
+            if left > 0:
+                in_flight[link] = left
+            else:
+                in_flight.pop(link, None)
+            count = flows.get(link, 0) - 1
+            if count > 0:
+                flows[link] = count
+            else:
+                flows.pop(link, None)
+        self._snapshot = None
+
+    def snapshot(self) -> LinkLoad:
+        """The load now, as an immutable :class:`LinkLoad`."""
+        found = self._snapshot
+        if found is None:
+            found = self._snapshot = (
+                LinkLoad(self._bytes, self._flows) if self._bytes or self._flows else NO_LOAD
+            )
+        return found
+
+
 @dataclass(frozen=True)
 class TransferRequest:
     """What is to be moved: ``nbytes`` in ``chunks`` pieces (each pays the setup latency).

@@ -37,7 +37,7 @@ from topkv.policy.clock import Clock, MonotonicClock
 from topkv.policy.errors import PolicyError
 from topkv.policy.route import DecodeWorkerView, RouteDecision, RouteScore, RoutingPolicy
 from topkv.policy.select import CostPolicy, Selection, TransportSelector
-from topkv.policy.view import NO_LOAD, Endpoint, LinkLoad, PairView, TransferRequest
+from topkv.policy.view import Endpoint, LinkLoad, LinkLoadTracker, PairView, TransferRequest
 from topkv.relay.executor import (
     AttemptFailed,
     AttemptPlan,
@@ -255,9 +255,7 @@ class Orchestrator:
         self._capacity_changed: asyncio.Event | None = None
         # Live per-link load, kept as counters; the immutable snapshot the policies read
         # is built only when routing needs it and something changed since the last one.
-        self._link_bytes: dict[str, int] = {}
-        self._link_flows: dict[str, int] = {}
-        self._load: LinkLoad | None = NO_LOAD
+        self._load = LinkLoadTracker()
         # Decode workers as routing sees them, kept current on slot and registry changes.
         self._decode_views: dict[str, DecodeWorkerView] = {}
         # Routing costs per (source, request), reused while the source's registration, the
@@ -1017,39 +1015,17 @@ class Orchestrator:
 
     def _load_snapshot(self) -> LinkLoad:
         """The link load now, as the policies read it (rebuilt only after a change)."""
-        load = self._load
-        if load is None:
-            load = self._load = (
-                LinkLoad(self._link_bytes, self._link_flows) if self._link_flows else NO_LOAD
-            )
-        return load
+        return self._load.snapshot()
 
     def _add_flow(self, run: _Run, links: tuple[str, ...], nbytes: int) -> None:
-        # Same arithmetic as LinkLoad.with_flow, on counters instead of a new snapshot.
         if links:
-            in_flight, flows = self._link_bytes, self._link_flows
-            for link in dict.fromkeys(links):
-                in_flight[link] = in_flight.get(link, 0) + nbytes
-                flows[link] = flows.get(link, 0) + 1
-            self._load = None
+            self._load.add(links, nbytes)
             run.flow = (links, nbytes)
 
     def _remove_flow(self, run: _Run) -> None:
         if run.flow is not None:
             links, nbytes = run.flow
-            in_flight, flows = self._link_bytes, self._link_flows
-            for link in dict.fromkeys(links):
-                left = in_flight.get(link, 0) - nbytes
-                if left > 0:
-                    in_flight[link] = left
-                else:
-                    in_flight.pop(link, None)
-                count = flows.get(link, 0) - 1
-                if count > 0:
-                    flows[link] = count
-                else:
-                    flows.pop(link, None)
-            self._load = None
+            self._load.remove(links, nbytes)
             run.flow = None
 
     def _on_worker_event(self, event: RegistryEvent) -> None:
