@@ -51,8 +51,23 @@ class HeldExecutor:
         return None
 
 
-def _decode(wid: str, node: str, gpu: int, capacity: int, **kw: object) -> WorkerInfo:
-    return WorkerInfo(worker_id=wid, role="decode", node=node, gpus=(gpu,), capacity=capacity, **kw)
+def _decode(
+    wid: str,
+    node: str,
+    gpu: int,
+    capacity: int,
+    nvlink_domain: str | None = None,
+    capabilities: WorkerCapabilities = WorkerCapabilities(),
+) -> WorkerInfo:
+    return WorkerInfo(
+        worker_id=wid,
+        role="decode",
+        node=node,
+        gpus=(gpu,),
+        capacity=capacity,
+        nvlink_domain=nvlink_domain,
+        capabilities=capabilities,
+    )
 
 
 async def _scenario(selector: TransportSelector | None) -> list[tuple[str | None, str | None]]:
