@@ -14,8 +14,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: install
-	$(BIN)/topkv plan --model llama-3-70b --seq-len 4096
-	$(BIN)/topkv models
+	$(BIN)/topkv demo
 
 test: install
 	$(BIN)/ruff check src tests benchmarks
