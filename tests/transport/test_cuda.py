@@ -89,6 +89,20 @@ def test_ipc_handle_decoder_refuses_anything_but_a_cuda_tensor_rebuild() -> None
         decode_ipc_handle(b"not a pickle")
 
 
+def test_ipc_handle_decoder_admits_what_reduce_tensor_pickles() -> None:
+    torch = pytest.importorskip("torch")
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    from topkv.transport.cuda import decode_ipc_handle
+
+    # The argument shapes of reduce_tensor's CUDA branch (handles are opaque bytes).
+    args = (torch.Tensor, torch.Size([8]), (1,), 0, torch.storage.TypedStorage, torch.uint8)
+    args += (0, b"handle", 8, 0, False, b"refcount", 0, b"event", True)
+    rebuild, decoded = decode_ipc_handle(pickle.dumps((rebuild_cuda_tensor, args)))
+    assert rebuild is rebuild_cuda_tensor
+    assert decoded == args
+
+
 def test_flat_bytes_views_host_tensors_without_copying() -> None:
     torch = pytest.importorskip("torch")
     from topkv.transport.cuda import flat_bytes

@@ -1141,7 +1141,8 @@ def peer_send(
                     ]
                     crcs = None
                     if mode == "corrupt" and layer == layout.num_layers - 1:
-                        crcs = [framing.crc64(t) for t in tensors]
+                        host = [t.cpu().numpy() if hasattr(t, "cpu") else t for t in tensors]
+                        crcs = [framing.crc64(t) for t in host]
                         data[layer * layout.layer_bytes + 5] ^= 0xFF  # changed after the CRC
                     out.send_layer(layer, tensors, crcs)
                     if mode == "hang-after-2" and layer == 1:

@@ -161,11 +161,15 @@ class _CudaSinkEngine(backends.SinkEngine):
         self.token = f"{os.getpid()}-{id(self)}-{os.urandom(4).hex()}"
         self._staging = _PinnedStaging()
         self._lock = threading.Lock()
+        self._handle: bytes | None = None
         with _LOCAL_LOCK:
             _LOCAL_ARENAS[self.token] = self.arena
 
     def metadata(self) -> bytes:
-        handle = encode_ipc_handle(self.arena)
+        with self._lock:
+            if self._handle is None:
+                self._handle = encode_ipc_handle(self.arena)
+            handle = self._handle
         fields = {"pid": os.getpid(), "token": self.token, "handle": handle.hex()}
         return backends.dumps_metadata(fields)
 
