@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import importlib
 import importlib.util
 import itertools
 import json
@@ -935,6 +936,11 @@ def missing_package(transport: str) -> str | None:
         found = False
     if not found:
         return f"{transport}: Python module {module} is not installed ({INSTALL_HINT})"
+    if transport != "cuda":
+        try:  # installed but unloadable (e.g. Mooncake without libibverbs1) counts as absent
+            importlib.import_module(module)
+        except (ImportError, OSError) as exc:
+            return f"{transport}: {module} does not load ({exc}; {INSTALL_HINT})"
     if transport == "cuda":
         import torch
 
