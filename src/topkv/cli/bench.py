@@ -41,7 +41,8 @@ def register(app: typer.Typer) -> None:
     @bench.command("transfer")
     def transfer(
         transport: str = typer.Option(
-            "tcp", help="shm | tcp | emulated-<mode> (e.g. emulated-rdma)"
+            "tcp",
+            help="shm | tcp | emulated-<mode> (e.g. emulated-rdma) | nixl | mooncake | cuda",
         ),
         size: str = typer.Option("256MiB", help="KV bytes per transfer (e.g. 256MiB)"),
         repeat: int = typer.Option(5, min=1, help="timed repeats (median is reported)"),
@@ -52,14 +53,18 @@ def register(app: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
     ) -> None:
         """Send a KV cache from this process to a spawned receiver; compare to the limit."""
+        from topkv.transport.backends import ENGINE_TRANSPORTS, run_engine_benchmark
         from topkv.transport.benchmark import (
             BenchConfig,
             crc_overhead_report,
             run_transfer_benchmark,
         )
 
-        config = BenchConfig(transport, parse_size(size), repeat, streams=streams)
-        report = crc_overhead_report(config) if crc_overhead else run_transfer_benchmark(config)
+        if transport in ENGINE_TRANSPORTS:
+            report = run_engine_benchmark(transport, parse_size(size), repeat)
+        else:
+            config = BenchConfig(transport, parse_size(size), repeat, streams=streams)
+            report = crc_overhead_report(config) if crc_overhead else run_transfer_benchmark(config)
         if as_json:
             typer.echo(json.dumps(report))
             return
