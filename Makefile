@@ -17,6 +17,7 @@ demo: install
 	$(BIN)/topkv demo
 
 test: install
+	scripts/install-system-deps.sh
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/ruff format --check src tests benchmarks
 	$(BIN)/mypy
