@@ -135,7 +135,9 @@ class RoutingPolicy:
         ``workers`` holds the current slots and load by worker id; a scored worker missing
         from it, ineligible or in ``exclude`` is passed over.
         """
-        usable: list[tuple[RouteScore, DecodeWorkerView]] = []
+        # (cost, load, worker id, ...): tuples compare natively, and ids are unique, so
+        # sorting never reaches the objects at the end.
+        usable: list[tuple[float, float, str, RouteScore, DecodeWorkerView]] = []
         for score in scores:
             worker = workers.get(score.worker_id)
             if (
@@ -144,20 +146,18 @@ class RoutingPolicy:
                 or score.worker_id in exclude
             ):
                 continue
-            usable.append((score, worker))
+            usable.append((score.cost, worker.load, score.worker_id, score, worker))
         if not usable:
             return None
-        limit = usable[0][0].cost * (1.0 + self.cost_tolerance)
-        tied = 0
-        while tied < len(usable) and usable[tied][0].cost <= limit:
+        limit = usable[0][0] * (1.0 + self.cost_tolerance)
+        tied = 1
+        while tied < len(usable) and usable[tied][0] <= limit:
             tied += 1
-        if tied == 1:
-            best_index = 0
-        else:
-            best_index = min(range(tied), key=lambda i: (usable[i][1].load, usable[i][0].worker_id))
-        best, best_worker = usable[best_index]
-        rest = [u for i, u in enumerate(usable) if i != best_index]
-        rest.sort(key=lambda u: (u[0].cost, u[1].load, u[0].worker_id))
+        best_index = 0
+        if tied > 1:
+            best_index = min(range(tied), key=lambda i: (usable[i][1], usable[i][2]))
+        _, _, _, best, best_worker = usable.pop(best_index)
+        usable.sort()
         why = (
             f"cheapest transfer ({best.cost:.6g} s over {best.selection.choice})"
             if tied == 1
@@ -168,7 +168,7 @@ class RoutingPolicy:
             endpoint=best_worker.endpoint,
             selection=best.selection,
             estimated_s=best.cost,
-            alternatives=tuple(u[0].worker_id for u in rest),
+            alternatives=tuple(u[2] for u in usable),
             rationale=why,
         )
 

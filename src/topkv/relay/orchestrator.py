@@ -28,9 +28,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Generator
 from dataclasses import dataclass, field
-from typing import Literal
+from types import CoroutineType
+from typing import Any, Generic, Literal, TypeVar, cast
 
 from topkv.errors import ConfigError, TopKVError
 from topkv.policy.clock import Clock, MonotonicClock
@@ -64,6 +65,7 @@ from topkv.transport.base import KVLayout
 log = logging.getLogger(__name__)
 
 Sleep = Callable[[float], Awaitable[None]]
+T = TypeVar("T")
 WorkerPairView = Callable[[WorkerInfo, WorkerInfo], PairView]
 
 
@@ -191,6 +193,61 @@ class _Run:
         self.slot_holder: str | None = None
         self.flow: tuple[tuple[str, ...], int] | None = None
         self.done: asyncio.Future[None] | None = None
+
+
+async def _bounded(call: Awaitable[T], timeout_s: float) -> T:
+    """``await call`` within ``timeout_s`` (``TimeoutError`` after), arming no timer when
+    the call finishes without waiting.
+
+    A coroutine is run up to its first suspension on the spot; only if it suspends does
+    the rest run under ``asyncio.timeout``. The bound therefore covers the time the call
+    spends waiting, which is all an event loop can interrupt anyway. Executor calls such as
+    releasing a source often complete at once, and a timer costs more than they do.
+    """
+    if type(call) is not CoroutineType:
+        async with asyncio.timeout(timeout_s):
+            return await call
+    coro = cast("Coroutine[Any, Any, T]", call)
+    try:
+        first = coro.send(None)
+    except StopIteration as done:
+        return cast("T", done.value)
+    async with asyncio.timeout(timeout_s):
+        return await _Resumed(coro, first)
+
+
+class _Resumed(Generic[T]):
+    """Awaits the rest of a coroutine already run to its first suspension point.
+
+    Passes what the coroutine yields (the future it waits on) up to the task, and what the
+    task sends or throws in (resumption, cancellation) down to the coroutine, as an
+    ``await`` of it would have.
+    """
+
+    __slots__ = ("_coro", "_first")
+
+    def __init__(self, coro: Coroutine[Any, Any, T], first: Any) -> None:
+        self._coro = coro
+        self._first = first
+
+    def __await__(self) -> Generator[Any, None, T]:
+        coro, pending = self._coro, self._first
+        while True:
+            try:
+                yield pending
+            except GeneratorExit:
+                coro.close()
+                raise
+            except BaseException as error:  # cancellation (or anything) thrown in
+                try:
+                    pending = coro.throw(error)
+                except StopIteration as done:
+                    return cast("T", done.value)
+            else:
+                try:
+                    pending = coro.send(None)
+                except StopIteration as done:
+                    return cast("T", done.value)
 
 
 class _Exhausted(Exception):
@@ -752,8 +809,7 @@ class Orchestrator:
         task = run.task
         run.in_attempt = True
         try:
-            async with asyncio.timeout(self.config.attempt_timeout_s):
-                delivery = await self.executor.transfer(plan)
+            delivery = await _bounded(self.executor.transfer(plan), self.config.attempt_timeout_s)
         except TimeoutError:
             failure = FailureKind.TIMEOUT
             detail = (
@@ -930,8 +986,7 @@ class Orchestrator:
 
     async def _executor_call(self, call: Awaitable[int], kind: FailureKind) -> int:
         try:
-            async with asyncio.timeout(self.config.executor_call_timeout_s):
-                return await call
+            return await _bounded(call, self.config.executor_call_timeout_s)
         except (AttemptFailed, TopKVError, TimeoutError) as exc:
             raise _Exhausted(
                 classify_failure(exc) if isinstance(exc, AttemptFailed) else kind,
@@ -940,15 +995,19 @@ class Orchestrator:
 
     async def _release_source(self, source: WorkerInfo, request_id: int) -> None:
         try:
-            async with asyncio.timeout(self.config.executor_call_timeout_s):
-                await self.executor.release_source(source, request_id)
+            await _bounded(
+                self.executor.release_source(source, request_id),
+                self.config.executor_call_timeout_s,
+            )
         except (TopKVError, TimeoutError, OSError) as exc:
             log.warning("release of request %s at %s failed: %s", request_id, source.worker_id, exc)
 
     async def _discard(self, destination: WorkerInfo, request_id: int) -> None:
         try:
-            async with asyncio.timeout(self.config.executor_call_timeout_s):
-                await self.executor.discard_destination(destination, request_id)
+            await _bounded(
+                self.executor.discard_destination(destination, request_id),
+                self.config.executor_call_timeout_s,
+            )
         except (TopKVError, TimeoutError, OSError) as exc:
             log.warning(
                 "discard of request %s at %s failed: %s", request_id, destination.worker_id, exc
@@ -958,8 +1017,9 @@ class Orchestrator:
         if run.destination_left or not self.view.alive(destination.worker_id):
             return False
         try:
-            async with asyncio.timeout(self.config.executor_call_timeout_s):
-                return await self.executor.probe(destination)
+            return await _bounded(
+                self.executor.probe(destination), self.config.executor_call_timeout_s
+            )
         except (TopKVError, TimeoutError, OSError):
             return False
 
