@@ -146,6 +146,11 @@ def _unquote(value: str) -> str:
     return re.sub(r"\s+#.*$", "", value)
 
 
+# A top-level field of ``kubectl describe node`` other than Name/Labels ("Annotations:",
+# "Taints:", "Capacity:"...): its indented continuation lines are not labels.
+_DESCRIBE_SECTION = re.compile(r"^(?!Labels:|Name:)[A-Z][A-Za-z ]{1,40}:(\s|$)")
+
+
 class _NodeBuilder:
     def __init__(self, name: str = "") -> None:
         self.name = name
@@ -208,6 +213,13 @@ def _scan_lines(text: str) -> list[K8sNode]:
                 continue
             if indent == 0:
                 mode, block = None, None
+        if mode == "describe-other":
+            if indent > 0:
+                continue  # an Annotations:/Taints:/... block of describe output: not labels
+            mode = None
+        if described is not None and indent == 0 and _DESCRIBE_SECTION.match(line):
+            mode = "describe-other"
+            continue
         if mode == "yaml" and block is not None:
             if indent > block_indent:
                 m = _KV_COLON.match(line)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from topkv.topology.detect.errors import ParseError
+from topkv.topology.detect.paste import strip_paste_wrapping
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07|\x1b[()][0-9A-Za-z]")
 MAX_CPU_ID = 65535  # well above the kernel's NR_CPUS limit (8192); guards absurd ranges
@@ -21,7 +22,7 @@ MAX_CPU_ID = 65535  # well above the kernel's NR_CPUS limit (8192); guards absur
 
 def _clean_lines(text: str) -> list[str]:
     text = _ANSI.sub("", text).replace("\r\n", "\n").replace("\r", "\n")
-    return [line.rstrip() for line in text.split("\n")]
+    return [line.rstrip() for line in strip_paste_wrapping(text.split("\n"))]
 
 
 def parse_cpu_list(text: str) -> tuple[int, ...]:

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from topkv.topology.detect.errors import NoUsableDriverError, ParseError
+from topkv.topology.detect.paste import strip_paste_wrapping
 
 _ANSI_RE = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b[@-Z\\-_]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)")
 
@@ -56,10 +57,12 @@ _LEGEND_NIC_RE = re.compile(r"^\s*(NIC\d+)\s*:\s*(\S+)\s*$")
 
 
 def clean_text(text: str) -> str:
-    """Strip ANSI escapes, carriage returns, NULs and other control characters but tab/LF."""
+    """Strip ANSI escapes, carriage returns, NULs and other control characters but tab/LF,
+    and the block-quote/comment/HTML wrapping of pasted output (see ``detect.paste``)."""
     text = _ANSI_RE.sub("", text)
     text = text.replace("\r\n", "\n").replace("\r", "\n")
-    return "".join(ch for ch in text if ch in "\t\n" or (ch >= " " and ch != "\x7f"))
+    text = "".join(ch for ch in text if ch in "\t\n" or (ch >= " " and ch != "\x7f"))
+    return "\n".join(strip_paste_wrapping(text.split("\n")))
 
 
 def raise_if_driver_error(text: str, tool: str = "nvidia-smi") -> None:
