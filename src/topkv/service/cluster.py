@@ -29,7 +29,7 @@ from typing import Any
 
 from topkv.service.client import OrchestratorClient
 from topkv.service.errors import ClusterError, ServiceError
-from topkv.service.worker import SECRET_ENV
+from topkv.service.worker import FAULTS_ENV, SECRET_ENV, WorkerFaults
 
 _PR_SET_PDEATHSIG = 1
 
@@ -183,6 +183,7 @@ class WorkerPlacement:
     netns: str | None = None
     host_id: str | None = None
     bind_host: str = "127.0.0.1"
+    faults: WorkerFaults | None = None  # injected faults (``topkv chaos``); None: none
 
 
 @dataclass
@@ -290,9 +291,10 @@ class LocalCluster:
             args += ["--registry", cfg.registry]
         else:
             args += ["--orchestrator", self.orchestrator_url]
-        spec = ProcessSpec(
-            name, topkv_command(*args), ready, placement.netns, env={SECRET_ENV: self.secret}
-        )
+        env = {SECRET_ENV: self.secret, FAULTS_ENV: ""}
+        if placement.faults is not None:
+            env[FAULTS_ENV] = placement.faults.to_text()
+        spec = ProcessSpec(name, topkv_command(*args), ready, placement.netns, env=env)
         process = self.supervisor.start(spec)
         self.workers[name] = process
         return process

@@ -11,6 +11,11 @@ One worker is one (simulated) GPU slot in the prefill or the decode pool. It
   :class:`~topkv.service.remote_executor.RemoteExecutor` drives each transfer attempt:
   ``POST /v1/receive`` on the destination, ``POST /v1/send`` on the source,
   ``POST /v1/kv/{id}/wait`` on the destination, ``DELETE /v1/kv/{id}`` on either side.
+
+Fault injection (for ``topkv chaos``; off unless ``$TOPKV_FAULTS`` or
+:attr:`WorkerConfig.faults` asks): :class:`WorkerFaults` can flip one bit in the frames of a
+fraction of this worker's outgoing transfers *after* their CRC-64 was taken (the receiver
+must catch it), and pace every send to a slow link.
 """
 
 from __future__ import annotations
@@ -22,13 +27,16 @@ import os
 import socket
 import threading
 import time
+import zlib
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
+from topkv.errors import ConfigError
 from topkv.relay.executor import classify_failure
 from topkv.relay.workers import Role, WorkerCapabilities, WorkerInfo
 from topkv.service.errors import ServiceError
@@ -68,14 +76,76 @@ from topkv.transport.base import (
     TransferDescriptor,
     TransferSink,
     TransferSource,
+    TransportMode,
 )
+from topkv.transport.emulated import EmulatedSource, LinkModel
 from topkv.transport.errors import TransferTimeout, TransportError
 from topkv.transport.shm import ShmSink
 from topkv.transport.tcp import TcpSink
 
+if TYPE_CHECKING:
+    from topkv.relay.chaos import CorruptingSource
+
 log = logging.getLogger(__name__)
 
 SECRET_ENV = "TOPKV_SECRET"
+FAULTS_ENV = "TOPKV_FAULTS"
+
+
+@dataclass(frozen=True)
+class WorkerFaults:
+    """Faults a worker injects into its own sends (``topkv chaos``); all off by default.
+
+    ``corrupt_rate``: fraction of outgoing transfers that get one bit flipped in one frame
+    after the frame's CRC-64 was computed, so the frame leaves with its original CRC.
+    ``seed``: seeds which transfers, frames and bits. ``slow_gbps``: pace every send of this
+    worker to a link of that many GB/s (a slowed link). Written as
+    ``corrupt_rate=0.05,seed=3,slow_gbps=1.0`` in ``$TOPKV_FAULTS``.
+    """
+
+    corrupt_rate: float = 0.0
+    seed: int = 0
+    slow_gbps: float | None = None
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.corrupt_rate <= 1.0:
+            raise ConfigError(f"fault corrupt_rate must be in [0, 1], got {self.corrupt_rate}")
+        if self.slow_gbps is not None and not self.slow_gbps > 0:
+            raise ConfigError(f"fault slow_gbps must be > 0, got {self.slow_gbps}")
+
+    @property
+    def active(self) -> bool:
+        return self.corrupt_rate > 0 or self.slow_gbps is not None
+
+    def to_text(self) -> str:
+        parts = [f"corrupt_rate={self.corrupt_rate!r}", f"seed={self.seed}"]
+        if self.slow_gbps is not None:
+            parts.append(f"slow_gbps={self.slow_gbps!r}")
+        return ",".join(parts)
+
+    @classmethod
+    def parse(cls, text: str) -> WorkerFaults:
+        """Read ``key=value,...`` (keys: corrupt_rate, seed, slow_gbps); empty means none."""
+        values: dict[str, str] = {}
+        for item in filter(None, (part.strip() for part in text.split(","))):
+            key, sep, value = item.partition("=")
+            if not sep or key not in ("corrupt_rate", "seed", "slow_gbps"):
+                raise ConfigError(
+                    f"{FAULTS_ENV}: {item!r} is not one of corrupt_rate=P, seed=N, slow_gbps=X"
+                )
+            values[key] = value.strip()
+        try:
+            return cls(
+                corrupt_rate=float(values.get("corrupt_rate", "0")),
+                seed=int(values.get("seed", "0")),
+                slow_gbps=float(values["slow_gbps"]) if "slow_gbps" in values else None,
+            )
+        except ValueError as exc:
+            raise ConfigError(f"{FAULTS_ENV}={text!r}: {exc}") from None
+
+    @classmethod
+    def from_env(cls) -> WorkerFaults:
+        return cls.parse(os.environ.get(FAULTS_ENV, ""))
 
 
 @dataclass(frozen=True)
@@ -98,6 +168,7 @@ class WorkerConfig:
     nvlink_domain: str | None = None
     capabilities: WorkerCapabilities = field(default_factory=WorkerCapabilities)
     ready_file: Path | None = None
+    faults: WorkerFaults = field(default_factory=WorkerFaults.from_env)
 
     def resolved_worker_id(self) -> str:
         gpus = "-".join(str(g) for g in self.gpus) or "cpu"
@@ -169,6 +240,7 @@ class WorkerService:
         self._heartbeat_task: asyncio.Task[None] | None = None
         self.info: WorkerInfo | None = None
         self.counters = {"prefilled": 0, "sent": 0, "received": 0, "send_failures": 0}
+        self._corrupters: list[CorruptingSource] = []
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -272,16 +344,23 @@ class WorkerService:
 
     async def _info(self, request: web.Request) -> web.Response:
         assert self.info is not None
-        return web.json_response(
-            {
-                "worker": self.info.model_dump(mode="json"),
-                "held": len(self.store),
-                "receiving": len(self._inbox),
-                "sending": len(self._outgoing),
-                "counters": dict(self.counters),
-                "sinks": {kind: sink.address for kind, sink in self._sinks.items()},
+        body: dict[str, object] = {
+            "worker": self.info.model_dump(mode="json"),
+            "held": len(self.store),
+            "receiving": len(self._inbox),
+            "sending": len(self._outgoing),
+            "counters": dict(self.counters),
+            "sinks": {kind: sink.address for kind, sink in self._sinks.items()},
+        }
+        faults = self.config.faults
+        if faults.active:
+            body["faults"] = {
+                "corrupt_rate": faults.corrupt_rate,
+                "seed": faults.seed,
+                "slow_gbps": faults.slow_gbps,
+                "corruptions_injected": sum(c.injected for c in self._corrupters),
             }
-        )
+        return web.json_response(body)
 
     async def _list_kv(self, request: web.Request) -> web.Response:
         return web.json_response([_summary(kv).model_dump() for kv in self.store.all()])
@@ -419,8 +498,11 @@ class WorkerService:
         out = await asyncio.to_thread(source.open, descriptor, body.destination)
         self._outgoing[body.request_id] = out
         try:
-            for layer, (tensors, crcs) in enumerate(zip(kv.layers, kv.crcs, strict=True)):
-                out.send_layer(layer, tensors, crcs)
+            if self.config.faults.slow_gbps is not None:
+                # A paced send blocks until each layer's departure time: not on the loop.
+                await asyncio.to_thread(_send_layers, out, kv)
+            else:
+                _send_layers(out, kv)
             wrapped = asyncio.wrap_future(out.finish())
             done, _ = await asyncio.wait({wrapped}, timeout=body.timeout_s)
             if not done:
@@ -462,8 +544,28 @@ class WorkerService:
             source = self._sources.get(medium)
             if source is None:
                 source = transports.get(medium).make_source(self.config.secret)
+                source = self._with_faults(medium, source)
                 self._sources[medium] = source
             return source
+
+    def _with_faults(self, medium: str, source: TransferSource) -> TransferSource:
+        faults = self.config.faults
+        if faults.slow_gbps is not None:
+            link = LinkModel(TransportMode(source.mode), faults.slow_gbps, 50e-6)
+            source = EmulatedSource(source, link)
+        if faults.corrupt_rate > 0:
+            from topkv.relay.chaos import CorruptingSource  # only chaos runs need it
+
+            seed = faults.seed * 1_000_003 + zlib.crc32(medium.encode())
+            corrupter = CorruptingSource(source, faults.corrupt_rate, seed)
+            self._corrupters.append(corrupter)
+            source = corrupter
+        return source
+
+
+def _send_layers(out: OutgoingTransfer, kv: HeldKV) -> None:
+    for layer, (tensors, crcs) in enumerate(zip(kv.layers, kv.crcs, strict=True)):
+        out.send_layer(layer, tensors, crcs)
 
 
 def _summary(kv: HeldKV) -> KVSummary:
