@@ -25,6 +25,7 @@ COMMAND_MODULES: list[str] = [
     "chaos",
     "services",
     "demo",
+    "sim_validate",
 ]
 
 _typer_app = typer.Typer(

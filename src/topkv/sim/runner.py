@@ -64,6 +64,9 @@ class SimConfig:
     util_bin_s: float = 1.0
     event_core: str = "heap"
     shortlist: int = 2
+    #: When set, each decode instance holds at most this many requests at once (a slot
+    #: count, as the live demo's decode workers have) instead of a KV-memory budget.
+    decode_slots: int | None = None
 
     def compute_model(self, tp: int) -> ComputeModel:
         if self.compute is not None:
@@ -244,7 +247,8 @@ class Simulation:
         self._gpu_by_ep: dict[Endpoint, SimGPU] = {g.endpoint: g for g in self.cluster.gpus}
         self.queue: deque[_Req] = deque()
         self.idle: list[Instance] = list(reversed(self.cluster.prefill))
-        cap = self.compute.kv_capacity_bytes
+        slots = config.decode_slots
+        cap = float(slots) if slots is not None else self.compute.kv_capacity_bytes
         self.decodes = [_Decode(inst, cap) for inst in self.cluster.decode]
         self._local, self._remote = self._partition_decodes()
         self._kv_cache: dict[int, int] = {}
@@ -316,7 +320,11 @@ class Simulation:
                 r = self.queue[0]
                 if batch and tokens + r.req.input_tokens > limit:
                     break
-                need = float(self._kv(r.req.input_tokens + r.req.output_tokens))
+                need = (
+                    1.0
+                    if self.config.decode_slots is not None
+                    else float(self._kv(r.req.input_tokens + r.req.output_tokens))
+                )
                 if need > self.decodes[0].capacity:
                     self.queue.popleft()
                     self.rejected += 1

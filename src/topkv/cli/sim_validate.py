@@ -1,0 +1,57 @@
+"""``topkv sim-validate``: predict a recorded ``topkv demo --json`` run with the simulator."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import typer
+
+
+def sim_validate_command(
+    demo_json: Path = typer.Option(..., "--demo-json", help="Output of topkv demo --json."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
+    seed: int | None = typer.Option(None, "--seed", help="The demo's --seed (default 0)."),
+    speedup: float | None = typer.Option(
+        None, "--speedup", help="The demo's --speedup (default 1.5)."
+    ),
+    new_tokens: int | None = typer.Option(
+        None, "--new-tokens", help="The demo's --new-tokens (default 8)."
+    ),
+    trace: Path | None = typer.Option(None, "--trace", help="The demo's --trace CSV."),
+    decode_step_ms: float | None = typer.Option(
+        None,
+        "--decode-step-ms",
+        help="Decode time per token; default: the record's decode_ms, else a measured 14 ms.",
+    ),
+) -> None:
+    """Configure the simulator as the demo's local cluster, calibrated from the record, and
+    compare its predicted TTFT p50/p90 with the measured ones (exit 1 beyond 10% at p50)."""
+    from topkv.sim.validate_live import (
+        DemoRecord,
+        ValidationOptions,
+        format_report,
+        validate_against_demo,
+    )
+
+    record = DemoRecord.load(demo_json)
+    options = ValidationOptions(
+        seed=seed,
+        speedup=speedup,
+        new_tokens=new_tokens,
+        trace=trace,
+        decode_step_ms=decode_step_ms,
+    )
+    report = validate_against_demo(record, options)
+    if as_json:
+        sys.stdout.write(json.dumps(report.as_dict(), allow_nan=False) + "\n")
+    else:
+        sys.stdout.write(format_report(report) + "\n")
+    if not report.within_target:
+        raise typer.Exit(1)
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``sim-validate`` to the ``topkv`` app."""
+    app.command("sim-validate")(sim_validate_command)
