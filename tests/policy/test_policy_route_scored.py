@@ -10,17 +10,24 @@ from hypothesis import strategies as st
 
 from topkv.policy import (
     NO_LOAD,
+    BandwidthEstimator,
     CostPolicy,
     DecodeWorkerView,
     Endpoint,
     LinkLoad,
     LinkLoadTracker,
+    ManualClock,
     PairView,
+    PaperPolicy,
+    PathCandidate,
     RoutingPolicy,
     TransferRequest,
+    UniformPolicy,
     pair_view_from_facts,
 )
 from topkv.policy.errors import NoPathError
+from topkv.policy.select import TransportSelector, transfer_cost
+from topkv.relay.pairs import CachingSelector
 
 SOURCE = Endpoint("n0", 0)
 LINKS = ["n0:nic0", "n1:nic0", "n0/GPU0:nvlink", "n0/GPU0:pcie", "n0:tcp", "n1:tcp"]
@@ -105,7 +112,9 @@ def test_scored_routing_matches_the_reference_rule(
     scores = policy.score(
         SOURCE, [(w.worker_id, w.endpoint) for w in pool], _lookup, request, CostPolicy(), load
     )
-    two_step = policy.choose_scored(scores, {w.worker_id: w for w in pool}, exclude)
+    two_step = policy.choose_scored(
+        scores, {w.worker_id: w for w in pool}, CostPolicy(), request, load, exclude
+    )
     for decision in (direct, two_step):
         if expected is None:
             assert decision is None
@@ -155,3 +164,66 @@ def test_load_tracker_snapshots_equal_linkload_arithmetic(
     for links, nbytes in live:
         tracker.remove(links, nbytes)
     assert tracker.snapshot() is NO_LOAD
+
+
+TRANSPORTS = ["nvlink", "nvswitch", "pcie", "rdma", "tcp"]
+paths = st.builds(
+    PathCandidate,
+    transport=st.sampled_from(TRANSPORTS),
+    bandwidth_gbps=st.floats(min_value=0.1, max_value=2000.0),
+    setup_latency_s=st.floats(min_value=0.0, max_value=1e-3),
+    links=st.lists(st.sampled_from(LINKS), max_size=3, unique=True).map(tuple),
+)
+
+
+@st.composite
+def pairs(draw: st.DrawFn) -> PairView:
+    candidates = tuple(draw(st.lists(paths, min_size=0, max_size=6)))
+    present = {c.transport for c in candidates}
+    same_domain = bool(present & {"nvlink", "nvswitch"}) and draw(st.booleans())
+    same_node = "pcie" in present and draw(st.booleans())
+    rdma = "rdma" in present and draw(st.booleans())
+    return PairView(
+        Endpoint("n0", 0), Endpoint("n1", 0), same_domain, same_node, rdma, True, candidates
+    )
+
+
+def _measured() -> BandwidthEstimator:
+    clock = ManualClock(100.0)
+    estimator = BandwidthEstimator(clock)
+    path = PathCandidate("rdma", 25.0, 5e-6, ("n0:nic0", "n1:nic0"))
+    estimator.record(path, 1_000_000_000, 0.2)
+    clock.advance(1.0)
+    return estimator
+
+
+SELECTORS: list[TransportSelector] = [
+    CostPolicy(),
+    PaperPolicy(),
+    UniformPolicy("rdma"),
+    UniformPolicy("tcp"),
+    CostPolicy(_measured()),
+    CachingSelector(CostPolicy()),
+]
+
+
+@settings(max_examples=200)
+@given(
+    pair=pairs(),
+    request=requests,
+    load=loads,
+    which=st.integers(0, len(SELECTORS) - 1),
+)
+def test_cost_is_the_selections_chosen_estimate(
+    pair: PairView, request: TransferRequest, load: LinkLoad, which: int
+) -> None:
+    selector = SELECTORS[which]
+    try:
+        expected = selector.select(pair, request, load).chosen.estimated_s
+    except NoPathError:
+        try:
+            transfer_cost(selector, pair, request, load)
+        except NoPathError:
+            return
+        raise AssertionError("cost found a path where select found none") from None
+    assert transfer_cost(selector, pair, request, load) == expected

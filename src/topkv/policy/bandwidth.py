@@ -55,8 +55,18 @@ class BandwidthReader(Protocol):
 class NominalBandwidth:
     """A reader that always returns the candidate's nominal bandwidth."""
 
+    def __init__(self) -> None:
+        # Readings are immutable and depend on the figure alone: hand out one per figure.
+        self._readings: dict[float, BandwidthReading] = {}
+
     def reading(self, candidate: PathCandidate) -> BandwidthReading:
-        return BandwidthReading(gbps=candidate.bandwidth_gbps, source="nominal")
+        gbps = candidate.bandwidth_gbps
+        found = self._readings.get(gbps)
+        if found is None:
+            if len(self._readings) >= 1024:
+                self._readings.clear()
+            found = self._readings[gbps] = BandwidthReading(gbps=gbps, source="nominal")
+        return found
 
 
 def path_key(candidate: PathCandidate) -> PathKey:

@@ -98,6 +98,25 @@ def _format_seconds(seconds: float) -> str:
     return f"{seconds * 1e6:.3g} us"
 
 
+def _queued(candidate: PathCandidate, load: LinkLoad, nbytes: int) -> tuple[int, str | None]:
+    """Bytes queued ahead on the path's busiest link, and that link (see the module doc)."""
+    in_flight = load.bytes_in_flight
+    if not in_flight:
+        return 0, None
+    flows = load.active_flows
+    bottleneck: str | None = None
+    queued = 0
+    for link in candidate.links:
+        # queued_bytes_on(load, link, nbytes), inlined: this runs per path per decision.
+        on_link = in_flight.get(link, 0)
+        count = flows.get(link, 0)
+        if count > 0:
+            on_link = min(on_link, count * nbytes)
+        if on_link > queued:
+            bottleneck, queued = link, on_link
+    return queued, bottleneck
+
+
 def estimate_path(
     candidate: PathCandidate,
     request: TransferRequest,
@@ -106,13 +125,7 @@ def estimate_path(
 ) -> CandidateEstimate:
     """Estimate how long ``request`` takes over ``candidate`` given ``load`` right now."""
     reading = reader.reading(candidate)
-    bottleneck: str | None = None
-    queued = 0
-    if load.bytes_in_flight:
-        for link in candidate.links:
-            on_link = queued_bytes_on(load, link, request.nbytes)
-            if on_link > queued:
-                bottleneck, queued = link, on_link
+    queued, bottleneck = _queued(candidate, load, request.nbytes)
     # Eq. 2 (topkv.planner.transports.transfer_time_s), inlined: this runs per candidate
     # per routing decision, and the tests check the two agree.
     estimated = request.chunks * candidate.setup_latency_s + (request.nbytes + queued) / (
@@ -129,4 +142,18 @@ def estimate_path(
         setup_latency_s=candidate.setup_latency_s,
         queued_bytes=queued,
         bottleneck_link=bottleneck,
+    )
+
+
+def estimate_seconds(
+    candidate: PathCandidate,
+    request: TransferRequest,
+    load: LinkLoad,
+    reader: BandwidthReader,
+) -> float:
+    """``estimate_path(...).estimated_s`` (the same arithmetic), without building the
+    estimate: what routing compares across many workers."""
+    queued, _ = _queued(candidate, load, request.nbytes)
+    return request.chunks * candidate.setup_latency_s + (request.nbytes + queued) / (
+        reader.reading(candidate).gbps * GB
     )

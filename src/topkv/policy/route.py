@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from topkv.policy.errors import NoPathError, PolicyInputError
-from topkv.policy.select import Selection, TransportSelector
+from topkv.policy.select import Selection, TransportSelector, transfer_cost
 from topkv.policy.view import NO_LOAD, Endpoint, LinkLoad, PairView, TransferRequest
 
 PairViewLookup = Callable[[Endpoint, Endpoint], PairView]
@@ -59,7 +59,7 @@ class RouteScore(NamedTuple):
     cost: float
     worker_id: str
     endpoint: Endpoint
-    selection: Selection
+    pair: PairView
 
 
 class RoutingPolicy:
@@ -70,6 +70,9 @@ class RoutingPolicy:
     transfer costs, independent of slots and worker load) and :meth:`choose_scored` (the
     rule applied to the workers' current slots and load); ``choose_decode`` is exactly
     ``choose_scored(score(...))`` over the eligible workers.
+
+    Costs come from :func:`~topkv.policy.select.transfer_cost` (the chosen path's estimate
+    without building a full selection); only the chosen worker's pair is selected in full.
     """
 
     def __init__(self, cost_tolerance: float = 1e-9) -> None:
@@ -97,7 +100,7 @@ class RoutingPolicy:
             selector,
             load,
         )
-        return self.choose_scored(scores, workers)
+        return self.choose_scored(scores, workers, selector, request, load)
 
     @staticmethod
     def score(
@@ -114,13 +117,12 @@ class RoutingPolicy:
         """
         scores: list[RouteScore] = []
         for worker_id, endpoint in workers:
+            pair = pair_view(source, endpoint)
             try:
-                selection = selector.select(pair_view(source, endpoint), request, load)
+                cost = transfer_cost(selector, pair, request, load)
             except NoPathError:
                 continue
-            scores.append(
-                RouteScore(selection.candidates[0].estimated_s, worker_id, endpoint, selection)
-            )
+            scores.append(RouteScore(cost, worker_id, endpoint, pair))
         scores.sort(key=_cost_then_id)
         return tuple(scores)
 
@@ -128,12 +130,17 @@ class RoutingPolicy:
         self,
         scores: Sequence[RouteScore],
         workers: Mapping[str, DecodeWorkerView],
+        selector: TransportSelector,
+        request: TransferRequest,
+        load: LinkLoad = NO_LOAD,
         exclude: Collection[str] = frozenset(),
     ) -> RouteDecision | None:
-        """Apply the rule to ``scores`` (from :meth:`score`, cheapest first).
+        """Apply the rule to ``scores`` (from :meth:`score`, cheapest first, computed with
+        the same ``selector``, ``request`` and ``load``).
 
         ``workers`` holds the current slots and load by worker id; a scored worker missing
-        from it, ineligible or in ``exclude`` is passed over.
+        from it, ineligible or in ``exclude`` is passed over. The chosen worker's pair is
+        selected in full for the decision.
         """
         # (cost, load, worker id, ...): tuples compare natively, and ids are unique, so
         # sorting never reaches the objects at the end.
@@ -158,15 +165,16 @@ class RoutingPolicy:
             best_index = min(range(tied), key=lambda i: (usable[i][1], usable[i][2]))
         _, _, _, best, best_worker = usable.pop(best_index)
         usable.sort()
+        selection = selector.select(best.pair, request, load)
         why = (
-            f"cheapest transfer ({best.cost:.6g} s over {best.selection.choice})"
+            f"cheapest transfer ({best.cost:.6g} s over {selection.choice})"
             if tied == 1
             else f"{tied} tie at {best.cost:.6g} s; least loaded ({best_worker.load:g})"
         )
         return RouteDecision(
             worker_id=best.worker_id,
             endpoint=best_worker.endpoint,
-            selection=best.selection,
+            selection=selection,
             estimated_s=best.cost,
             alternatives=tuple(u[2] for u in usable),
             rationale=why,

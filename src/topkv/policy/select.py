@@ -19,7 +19,7 @@ from typing import Protocol
 
 from topkv.policy.bandwidth import BandwidthReader, NominalBandwidth
 from topkv.policy.errors import NoPathError, PolicyInputError
-from topkv.policy.estimate import CandidateEstimate, estimate_path
+from topkv.policy.estimate import CandidateEstimate, estimate_path, estimate_seconds
 from topkv.policy.view import (
     NO_LOAD,
     NVLINK_FAMILY,
@@ -79,6 +79,21 @@ class TransportSelector(Protocol):
     def select(
         self, pair: PairView, request: TransferRequest, load: LinkLoad = NO_LOAD
     ) -> Selection: ...
+
+
+def transfer_cost(
+    selector: TransportSelector, pair: PairView, request: TransferRequest, load: LinkLoad
+) -> float:
+    """``selector.select(pair, request, load).chosen.estimated_s``, cheaply.
+
+    Uses the selector's ``cost`` method when it has one (every policy here does: the same
+    arithmetic without ranking every path or building a :class:`Selection`), else selects.
+    Raises what ``select`` raises (:class:`NoPathError` when there is no usable path).
+    """
+    cost = getattr(selector, "cost", None)
+    if cost is not None:
+        return float(cost(pair, request, load))
+    return selector.select(pair, request, load).chosen.estimated_s
 
 
 def next_after_failure(selection: Selection, failed: str | Iterable[str]) -> str | None:
@@ -181,6 +196,25 @@ class PaperPolicy:
         )
         return _build(self.name, ranked, why)
 
+    def cost(self, pair: PairView, request: TransferRequest, load: LinkLoad = NO_LOAD) -> float:
+        """The chosen path's estimate, as :meth:`select` would report it."""
+        _require_candidates(pair)
+        transport, why = self.decide(pair, request)
+        _require_transport(pair, transport, f"Algorithm 1 ({why})")
+        return _first_path_cost(pair, transport, request, load, self._reader)
+
+
+def _first_path_cost(
+    pair: PairView,
+    transport: str,
+    request: TransferRequest,
+    load: LinkLoad,
+    reader: BandwidthReader,
+) -> float:
+    """Estimate of the view's first ``transport`` path (what a fixed-order policy picks)."""
+    path = next(c for c in pair.candidates if c.transport == transport)
+    return estimate_seconds(path, request, load, reader)
+
 
 class CostPolicy:
     """The default: the path with the minimum estimated completion time.
@@ -230,6 +264,21 @@ class CostPolicy:
             self.name, ranked, f"minimum estimated completion time ({best.estimated_s:.6g} s)"
         )
 
+    def cost(self, pair: PairView, request: TransferRequest, load: LinkLoad = NO_LOAD) -> float:
+        """The chosen path's estimate (the minimum one, or the override's best), as
+        :meth:`select` would report it, without ranking every path."""
+        _require_candidates(pair)
+        override = request.manual_override
+        reader = self._reader
+        if override is not None:
+            _require_transport(pair, override, "the manual override")
+            return min(
+                estimate_seconds(c, request, load, reader)
+                for c in pair.candidates
+                if c.transport == override
+            )
+        return min(estimate_seconds(c, request, load, reader) for c in pair.candidates)
+
 
 class UniformPolicy:
     """One transport for every pair (e.g. uniform RDMA, the baseline the paper argues
@@ -258,6 +307,14 @@ class UniformPolicy:
             _ladder_order(_estimate_all(pair, request, load, self._reader)), transport
         )
         return _build(self.name, ranked, why)
+
+    def cost(self, pair: PairView, request: TransferRequest, load: LinkLoad = NO_LOAD) -> float:
+        """The chosen path's estimate, as :meth:`select` would report it."""
+        _require_candidates(pair)
+        override = request.manual_override
+        transport = override if override is not None else self.transport
+        _require_transport(pair, transport, self.name)
+        return _first_path_cost(pair, transport, request, load, self._reader)
 
 
 POLICY_NAMES: tuple[str, ...] = ("cost", "paper", "uniform-<transport>")

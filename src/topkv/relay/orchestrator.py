@@ -715,8 +715,14 @@ class Orchestrator:
     ) -> RouteDecision | None:
         try:
             if self._reuse_scores:
+                scores = self._route_scores(source, request)
                 return self.routing.choose_scored(
-                    self._route_scores(source, request), self._decode_views, excluded
+                    scores,
+                    self._decode_views,
+                    self.selector,
+                    request,
+                    self._load_snapshot(),
+                    excluded,
                 )
             by_endpoint = self._decoders_by_endpoint()
 

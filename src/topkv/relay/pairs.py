@@ -9,7 +9,7 @@ topology gives finer figures; pass such a lookup to the orchestrator instead.
 from __future__ import annotations
 
 from topkv.policy.pairs import pair_view_from_facts
-from topkv.policy.select import Selection, TransportSelector
+from topkv.policy.select import Selection, TransportSelector, transfer_cost
 from topkv.policy.view import NO_LOAD, Endpoint, LinkLoad, PairView, TransferRequest
 from topkv.relay.workers import WorkerInfo
 
@@ -107,3 +107,8 @@ class CachingSelector:
             self._links.clear()
         self._cache[key] = (pair, selection)
         return selection
+
+    def cost(self, pair: PairView, request: TransferRequest, load: LinkLoad = NO_LOAD) -> float:
+        """The chosen path's estimate (the inner policy's, computed afresh: it is cheaper
+        than building this cache's key)."""
+        return transfer_cost(self.inner, pair, request, load)
