@@ -505,18 +505,25 @@ class _RegistrationApi:
 
 
 class _CountingRemoteExecutor(RemoteExecutor):
-    """Counts concurrent attempts independently of the orchestrator's own bookkeeping."""
+    """Counts concurrent attempts (in all, and per destination) on its own."""
 
     active = 0
     peak = 0
 
+    def __init__(self, call_timeout_s: float) -> None:
+        super().__init__(call_timeout_s=call_timeout_s)
+        self.active_to: dict[str, int] = {}
+
     async def transfer(self, plan: AttemptPlan) -> Delivery:
+        destination = plan.destination.worker_id
         self.active += 1
+        self.active_to[destination] = self.active_to.get(destination, 0) + 1
         self.peak = max(self.peak, self.active)
         try:
             return await super().transfer(plan)
         finally:
             self.active -= 1
+            self.active_to[destination] -= 1
 
 
 def _placements(config: ChaosConfig) -> list[WorkerPlacement]:
@@ -680,11 +687,19 @@ class _ProcessRun:
             self.window.release()
 
     def _maybe_kill(self) -> None:
-        """SIGKILL the victim once K were delivered and it holds no KV decode has not taken."""
+        """SIGKILL the victim once K were delivered, mid-transfer, holding no untaken KV.
+
+        Mid-transfer: at least one attempt to it is running, so the kill always interrupts
+        a transfer. No untaken KV: decode takes each verified copy as it is handed off, so
+        the crash cannot destroy a copy decode already owns (no transfer system can save
+        that one; the request would be recomputed).
+        """
         kill_after = self.config.kill_decoder_after
         if self.victim is None or self.report.killed is not None or kill_after is None:
             return
         if self.report.delivered < kill_after or self.taking.get(self.victim_id, 0):
+            return
+        if not self.executor.active_to.get(self.victim_id, 0):
             return
         # No await from here on: nothing can be handed to the victim in between.
         self.cluster.supervisor.kill(self.victim)  # SIGKILL, then reap
