@@ -237,9 +237,11 @@ class Cluster(BaseModel):
         """True when GPU ``a`` reaches GPU ``b`` over NVLink (in-node or rack-scale)."""
         ga, gb = self.gpu(*a), self.gpu(*b)
         if a[0] == b[0]:
+            # Inside a node the tool's matrix is authoritative: in a hybrid cube mesh
+            # (DGX-1) two GPUs of one NVLink-connected group may still talk over SYS.
             link = self.node(a[0]).link(ga.label, gb.label)
-            if link is not None and link.transport in (Transport.NVLINK, Transport.NVSWITCH):
-                return True
+            if link is not None:
+                return link.transport in (Transport.NVLINK, Transport.NVSWITCH)
         return ga.nvlink_domain is not None and ga.nvlink_domain == gb.nvlink_domain
 
     def nearest_nics(self, node: str, gpu: int) -> list[NIC]:
