@@ -64,10 +64,14 @@ def main() -> int:
     parser.add_argument("--dilation", type=float, default=3000.0)
     parser.add_argument("--out", type=Path, default=Path("/tmp/topkv-demo-record.json"))
     parser.add_argument("--demo-json", type=Path, help="skip the demo; validate this record")
+    parser.add_argument(
+        "--calibrate-from", type=Path, help="also predict with the calibration of this record"
+    )
     args = parser.parse_args()
     from topkv.sim.validate_live import (
         DemoRecord,
         ValidationOptions,
+        calibration_from,
         format_report,
         validate_against_demo,
     )
@@ -84,6 +88,10 @@ def main() -> int:
     options = ValidationOptions(seed=args.seed, speedup=args.speedup)
     report = validate_against_demo(record, options)
     print(format_report(report))
+    if args.calibrate_from is not None:
+        other = calibration_from(DemoRecord.load(args.calibrate_from), options)
+        print(f"\n-- calibrated on {args.calibrate_from} (another run) --")
+        print(format_report(validate_against_demo(record, other)))
     return 0
 
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -49,9 +49,10 @@ from topkv.sim.workload import Request, Workload
 
 #: Tolerance the issue sets for the TTFT p50 prediction.
 TARGET_ERROR = 0.10
-#: Per-token decode time (ms) used when the record has no ``decode_ms``: the median of the
-#: recorded demo run in tests/sim/data (50 requests, 2-core host, measured).
-DEFAULT_DECODE_STEP_MS = 6.0
+#: Decode time per token (ms) used when the record has no ``decode_ms``: measured, the
+#: median ``decode_ms / (new_tokens - 1)`` of tests/sim/data/demo_record_50.json (50
+#: requests on the 2-core dev host).
+DEFAULT_DECODE_STEP_MS = 16.2
 
 
 class LiveValidationError(SimError):
@@ -273,6 +274,9 @@ class ValidationOptions:
     decode_slots: int = 2
     decode_step_ms: float | None = None
     policy: str = "cost"
+    #: Use this prefill fit (e.g. from another run, :func:`fit_prefill`) instead of
+    #: fitting the record itself.
+    prefill_fit: PrefillFit | None = None
 
 
 @dataclass(frozen=True)
@@ -444,30 +448,49 @@ def _compare(
     )
 
 
+def fit_prefill(
+    record: DemoRecord, requests: Sequence[Request], ids: set[int] | None = None
+) -> PrefillFit:
+    """Prefill fit from the record's measured ``prefill_ms`` (of ``ids`` only, if given)."""
+    tokens = {r.rid: r.input_tokens for r in requests}
+    rows = [m for m in record.requests if m.id in tokens and (ids is None or m.id in ids)]
+    return PrefillFit.fit([tokens[m.id] for m in rows], [m.prefill_ms for m in rows])
+
+
+def measured_decode_step_ms(record: DemoRecord, new_tokens: int) -> float:
+    """Median decode time per simulated step from the record's ``decode_ms``, else the
+    measured default. The first token comes from prefill; the simulator decodes n - 1."""
+    steps = max(1, new_tokens - 1)
+    decodes = [m.decode_ms / steps for m in record.requests if m.decode_ms]
+    return float(np.median(decodes)) if decodes else DEFAULT_DECODE_STEP_MS
+
+
+def calibration_from(other: DemoRecord, options: ValidationOptions) -> ValidationOptions:
+    """``options`` with the prefill fit and decode step of another recorded run (same
+    settings), so that a run is predicted by a calibration that never saw it."""
+    requests = rebuild_requests(other, options)
+    decode = options.decode_step_ms
+    if decode is None:
+        decode = measured_decode_step_ms(other, requests[0].output_tokens)
+    return replace(options, prefill_fit=fit_prefill(other, requests), decode_step_ms=decode)
+
+
 def validate_against_demo(
     record: DemoRecord, options: ValidationOptions = ValidationOptions()
 ) -> ValidationReport:
     """Predict the recorded run's TTFT with the simulator and compare (see module doc)."""
     requests = rebuild_requests(record, options)
-    tokens = {r.rid: r.input_tokens for r in requests}
     measured = {m.id: m.ttft_ms for m in record.requests}
     decode_step_ms = options.decode_step_ms
     if decode_step_ms is None:
-        # the first token comes from prefill; the simulator decodes the other n - 1
-        steps = max(1, requests[0].output_tokens - 1)
-        decodes = [m.decode_ms / steps for m in record.requests if m.decode_ms]
-        decode_step_ms = float(np.median(decodes)) if decodes else DEFAULT_DECODE_STEP_MS
-
-    def fit_on(ids: set[int]) -> PrefillFit:
-        rows = [m for m in record.requests if m.id in ids]
-        return PrefillFit.fit([tokens[m.id] for m in rows], [m.prefill_ms for m in rows])
-
-    all_ids = set(tokens)
-    fit = fit_on(all_ids)
+        decode_step_ms = measured_decode_step_ms(record, requests[0].output_tokens)
+    all_ids = {r.rid for r in requests}
+    fit = options.prefill_fit or fit_prefill(record, requests)
     predicted, transports = simulate_demo(requests, fit, record.dilation, decode_step_ms, options)
-    in_sample = _compare("in-sample", measured, predicted, all_ids)
+    label = "in-sample" if options.prefill_fit is None else "given fit"
+    in_sample = _compare(label, measured, predicted, all_ids)
     even = {i for i in all_ids if i % 2 == 0}
-    held_out_fit = fit_on(even)
+    held_out_fit = fit_prefill(record, requests, even)
     held_out, _ = simulate_demo(requests, held_out_fit, record.dilation, decode_step_ms, options)
     cross = _compare("cross-validated", measured, held_out, all_ids - even)
     measured_transports: dict[str, int] = {}
@@ -512,5 +535,7 @@ def format_report(report: ValidationReport) -> str:
         f"transports measured {report.transports_measured}, predicted {report.transports_predicted}"
     )
     verdict = "within" if report.within_target else "NOT within"
-    lines.append(f"TTFT p50 error {verdict} the {TARGET_ERROR:.0%} target (in-sample)")
+    lines.append(
+        f"TTFT p50 error {verdict} the {TARGET_ERROR:.0%} target ({report.in_sample.label})"
+    )
     return "\n".join(lines)
