@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from topkv.policy.errors import NoPathError, PolicyInputError
-from topkv.policy.select import Selection, TransportSelector, transfer_cost
+from topkv.policy.select import Selection, TransportSelector, cost_function
 from topkv.policy.view import NO_LOAD, Endpoint, LinkLoad, PairView, TransferRequest
 
 PairViewLookup = Callable[[Endpoint, Endpoint], PairView]
@@ -116,10 +116,11 @@ class RoutingPolicy:
         Workers the selector finds no path to are left out.
         """
         scores: list[RouteScore] = []
+        cost_of = cost_function(selector)
         for worker_id, endpoint in workers:
             pair = pair_view(source, endpoint)
             try:
-                cost = transfer_cost(selector, pair, request, load)
+                cost = cost_of(pair, request, load)
             except NoPathError:
                 continue
             scores.append(RouteScore(cost, worker_id, endpoint, pair))

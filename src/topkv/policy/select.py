@@ -13,10 +13,12 @@ in rank order, so failing over after a transport error is
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import math
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, cast
 
+from topkv.planner.transports import GB
 from topkv.policy.bandwidth import BandwidthReader, NominalBandwidth
 from topkv.policy.errors import NoPathError, PolicyInputError
 from topkv.policy.estimate import CandidateEstimate, estimate_path, estimate_seconds
@@ -90,10 +92,22 @@ def transfer_cost(
     arithmetic without ranking every path or building a :class:`Selection`), else selects.
     Raises what ``select`` raises (:class:`NoPathError` when there is no usable path).
     """
+    return cost_function(selector)(pair, request, load)
+
+
+CostFunction = Callable[[PairView, TransferRequest, LinkLoad], float]
+
+
+def cost_function(selector: TransportSelector) -> CostFunction:
+    """The function :func:`transfer_cost` calls for ``selector`` (resolve it once per batch)."""
     cost = getattr(selector, "cost", None)
-    if cost is not None:
-        return float(cost(pair, request, load))
-    return selector.select(pair, request, load).chosen.estimated_s
+    if callable(cost):
+        return cast(CostFunction, cost)
+
+    def by_selecting(pair: PairView, request: TransferRequest, load: LinkLoad) -> float:
+        return selector.select(pair, request, load).chosen.estimated_s
+
+    return by_selecting
 
 
 def next_after_failure(selection: Selection, failed: str | Iterable[str]) -> str | None:
@@ -269,15 +283,32 @@ class CostPolicy:
         :meth:`select` would report it, without ranking every path."""
         _require_candidates(pair)
         override = request.manual_override
-        reader = self._reader
         if override is not None:
             _require_transport(pair, override, "the manual override")
-            return min(
-                estimate_seconds(c, request, load, reader)
-                for c in pair.candidates
-                if c.transport == override
+        # estimate_seconds() per path, inlined (routing runs this for every decode worker);
+        # the property tests check it equals select()'s chosen estimate exactly.
+        reader = self._reader
+        nbytes, chunks = request.nbytes, request.chunks
+        in_flight, flows = load.bytes_in_flight, load.active_flows
+        best = math.inf
+        for path in pair.candidates:
+            if override is not None and path.transport != override:
+                continue
+            queued = 0
+            if in_flight:
+                for link in path.links:
+                    on_link = in_flight.get(link, 0)
+                    count = flows.get(link, 0)
+                    if count > 0:
+                        on_link = min(on_link, count * nbytes)
+                    if on_link > queued:
+                        queued = on_link
+            estimated = chunks * path.setup_latency_s + (nbytes + queued) / (
+                reader.reading(path).gbps * GB
             )
-        return min(estimate_seconds(c, request, load, reader) for c in pair.candidates)
+            if estimated < best:
+                best = estimated
+        return best
 
 
 class UniformPolicy:

@@ -325,6 +325,10 @@ class Orchestrator:
             tuple[str, TransferRequest], tuple[WorkerInfo, LinkLoad, int, tuple[RouteScore, ...]]
         ] = {}
         self._requests: dict[tuple[int, int, str | None], TransferRequest] = {}
+        self._pairs: dict[
+            str,
+            tuple[WorkerInfo, int, list[tuple[str, Endpoint]], dict[Endpoint, PairView]],
+        ] = {}
         self._endpoints: dict[str, tuple[WorkerInfo, Endpoint]] = {}
         self._in_flight = 0
         self.max_in_flight_seen = 0
@@ -752,15 +756,11 @@ class Orchestrator:
         found = self._scores.get(key)
         if found is not None and found[0] is source and found[1] is load and found[2] == version:
             return found[3]
-        by_endpoint = self._decoders_by_endpoint()
-
-        def lookup(_src: Endpoint, dst: Endpoint) -> PairView:
-            return self._pair_view(source, by_endpoint[dst])
-
+        targets, pairs = self._pairs_from(source, version)
         scores = self.routing.score(
             self._endpoint(source),
-            [(info.worker_id, endpoint) for endpoint, info in by_endpoint.items()],
-            lookup,
+            targets,
+            lambda _src, dst: pairs[dst],
             request,
             self.selector,
             load,
@@ -769,6 +769,22 @@ class Orchestrator:
             self._scores.clear()
         self._scores[key] = (source, load, version, scores)
         return scores
+
+    def _pairs_from(
+        self, source: WorkerInfo, version: int
+    ) -> tuple[list[tuple[str, Endpoint]], dict[Endpoint, PairView]]:
+        """The decode workers and the pair view to each from ``source`` (cached until the
+        registry changes: pair views depend on the registrations alone)."""
+        found = self._pairs.get(source.worker_id)
+        if found is not None and found[0] is source and found[1] == version:
+            return found[2], found[3]
+        by_endpoint = self._decoders_by_endpoint()
+        targets = [(info.worker_id, endpoint) for endpoint, info in by_endpoint.items()]
+        pairs = {endpoint: self._pair_view(source, info) for endpoint, info in by_endpoint.items()}
+        if len(self._pairs) >= 1024:
+            self._pairs.clear()
+        self._pairs[source.worker_id] = (source, version, targets, pairs)
+        return targets, pairs
 
     def _request_for(self, record: TransferRecord) -> TransferRequest:
         """The policies' view of ``record`` (one shared object per distinct request)."""

@@ -9,7 +9,7 @@ topology gives finer figures; pass such a lookup to the orchestrator instead.
 from __future__ import annotations
 
 from topkv.policy.pairs import pair_view_from_facts
-from topkv.policy.select import Selection, TransportSelector, transfer_cost
+from topkv.policy.select import Selection, TransportSelector, cost_function
 from topkv.policy.view import NO_LOAD, Endpoint, LinkLoad, PairView, TransferRequest
 from topkv.relay.workers import WorkerInfo
 
@@ -75,6 +75,7 @@ class CachingSelector:
 
     def __init__(self, inner: TransportSelector, limit: int = 65_536) -> None:
         self.inner = inner
+        self._inner_cost = cost_function(inner)
         self._limit = limit
         self._links: dict[int, tuple[PairView, tuple[str, ...]]] = {}
         self._cache: dict[tuple[object, ...], tuple[PairView, Selection]] = {}
@@ -111,4 +112,4 @@ class CachingSelector:
     def cost(self, pair: PairView, request: TransferRequest, load: LinkLoad = NO_LOAD) -> float:
         """The chosen path's estimate (the inner policy's, computed afresh: it is cheaper
         than building this cache's key)."""
-        return transfer_cost(self.inner, pair, request, load)
+        return self._inner_cost(pair, request, load)
