@@ -23,12 +23,12 @@ TRANSPORT_LADDER: tuple[str, ...] = ("nvlink", "nvswitch", "xgmi", "pcie", "rdma
 NVLINK_FAMILY: frozenset[str] = frozenset({"nvlink", "nvswitch", "xgmi"})
 
 
+_LADDER_RANKS: dict[str, int] = {name: i for i, name in enumerate(TRANSPORT_LADDER)}
+
+
 def ladder_rank(transport: str) -> int:
     """Position of ``transport`` in :data:`TRANSPORT_LADDER`; unknown names rank last."""
-    try:
-        return TRANSPORT_LADDER.index(transport)
-    except ValueError:
-        return len(TRANSPORT_LADDER)
+    return _LADDER_RANKS.get(transport, len(TRANSPORT_LADDER))
 
 
 @dataclass(frozen=True, order=True)
