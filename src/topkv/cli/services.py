@@ -110,9 +110,14 @@ def worker_command(
     ),
     ready_file: Path | None = typer.Option(None, help="write endpoints here once registered"),
     log_level: str = typer.Option("warning", help="debug | info | warning | error"),
+    faults: str = typer.Option(
+        "",
+        help="fault injection for chaos tests, e.g. corrupt_rate=0.05,seed=3,slow_gbps=1.0 "
+        "(default: $TOPKV_FAULTS, else none)",
+    ),
 ) -> None:
     """Run a worker: transfer endpoints (tcp, shm), KV buffers, control API, heartbeat."""
-    from topkv.service.worker import SECRET_ENV, WorkerConfig, serve_worker
+    from topkv.service.worker import SECRET_ENV, WorkerConfig, WorkerFaults, serve_worker
 
     _logging(log_level)
     if role not in ("prefill", "decode"):
@@ -141,6 +146,7 @@ def worker_command(
         nvlink_domain=nvlink_domain or None,
         capabilities=WorkerCapabilities(nvlink=nvlink, rdma=rdma, shm=shm),
         ready_file=ready_file,
+        faults=WorkerFaults.parse(faults) if faults else WorkerFaults.from_env(),
     )
 
     async def main(stop: asyncio.Event) -> None:
