@@ -1,10 +1,13 @@
 """Transfer benchmark between two real processes, against the medium's limit in the same run.
 
-The receiver runs in a spawned child process; the parent sends. For each repeat the parent
-times ``open -> send every layer -> verified ack``. The limit is measured in the same run:
-one ``memcpy`` into a preallocated buffer for shm (and for emulated modes riding on shm),
-a raw blocking ``sendall`` -> ``recv_into`` a preallocated buffer between the same two
-processes for tcp.
+The receiver runs in a spawned child process; the parent sends. The limit is measured in the
+same run, **interleaved** with the transfers (limit, transfer, limit, transfer, ...) so that a
+machine whose load changes during the run affects both alike: one ``memcpy`` (``np.copyto``)
+into a preallocated buffer for shm (and for emulated modes riding on shm); a raw blocking
+``sendall`` -> ``recv_into`` a preallocated buffer between the same two processes for tcp.
+Each transfer is timed from ``open`` to the receiver's acknowledgement of a verified copy;
+medians are reported. With ``crc_overhead_report`` an unverified transfer (no CRC on either
+side) joins the same interleaving, so the overhead compares like with like.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import os
 import socket
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -22,11 +26,17 @@ from typing import Any
 import numpy as np
 
 from topkv.transport import registry
-from topkv.transport.base import KVLayout, TransferDescriptor, TransferSink, TransportMode
+from topkv.transport.base import (
+    KVLayout,
+    TransferDescriptor,
+    TransferSink,
+    TransferSource,
+    TransportMode,
+)
 from topkv.transport.emulated import EmulatedSource, dilation_for
 from topkv.transport.errors import TransportError
 from topkv.transport.shm import ShmSink
-from topkv.transport.tcp import TcpSink
+from topkv.transport.tcp import TcpSink, tune_socket
 
 BENCH_LAYERS = 32
 _TOKEN_BYTES = 2 * 8 * 128 * 2  # K+V, 8 kv heads, head_dim 128, fp16: bytes per token-layer
@@ -51,9 +61,8 @@ class BenchConfig:
     streams: int = 1
 
 
-def _make_sink(name: str, secret: bytes, verify: bool) -> TransferSink:
-    inner = _inner_medium(name)
-    if inner == "shm":
+def _make_sink(medium: str, secret: bytes, verify: bool) -> TransferSink:
+    if medium == "shm":
         return ShmSink(secret, verify=verify)
     return TcpSink(secret, verify=verify)
 
@@ -66,134 +75,166 @@ def _inner_medium(name: str) -> str:
     return "shm" if fast else "tcp"
 
 
-def _sink_main(conn: Connection, name: str, secret: bytes, verify: bool, size: int) -> None:
-    """Child process: raw-socket limit server, then the transport's sink."""
+def _sink_main(conn: Connection, medium: str, secret: bytes, size: int) -> None:
+    """Child process: raw-socket limit server and two sinks (verifying and not)."""
     raw = socket.create_server(("127.0.0.1", 0))
-    sink = _make_sink(name, secret, verify)
-    conn.send((sink.address, raw.getsockname()[1]))
-    buffer = bytearray(size)
-    view = memoryview(buffer)
+    sinks = {True: _make_sink(medium, secret, True), False: _make_sink(medium, secret, False)}
+    conn.send(({v: s.address for v, s in sinks.items()}, raw.getsockname()[1]))
+    buffer = np.ones(size, dtype=np.uint8)  # preallocated and faulted in
+    view = buffer.data
+    peer: socket.socket | None = None
     while True:
         command = conn.recv()
         if command[0] == "raw":
-            peer, _ = raw.accept()
-            with peer:
-                for _ in range(command[1]):
-                    got = 0
-                    while got < size:
-                        n = peer.recv_into(view[got:])
-                        if n == 0:
-                            raise TransportError("raw sender closed early")
-                        got += n
-                    peer.sendall(b"k")
+            if peer is None:
+                peer, _ = raw.accept()
+                tune_socket(peer)
+            got = 0
+            while got < size:
+                n = peer.recv_into(view[got:])
+                if n == 0:
+                    raise TransportError("raw sender closed early")
+                got += n
+            peer.sendall(b"k")
         elif command[0] == "receive":
             try:
-                kv = sink.receive(command[1]).result(120)
-                ok = True
+                kv = sinks[command[2]].receive(command[1]).result(120)
                 kv.release()
             except Exception as exc:
-                ok = False
                 conn.send(("error", repr(exc)))
-            if ok:
+            else:
                 conn.send(("ok",))
         else:
-            sink.close()
+            for sink in sinks.values():
+                sink.close()
+            if peer is not None:
+                peer.close()
             raw.close()
             conn.send(("bye",))
             return
 
 
-def _memcpy_gbps(size: int, repeat: int) -> float:
-    src = np.random.default_rng(1).integers(0, 255, size, dtype=np.uint8)
-    dst = np.ones(size, dtype=np.uint8)  # preallocated and faulted in
-    s, d = src.data, dst.data
-    times = []
-    for _ in range(repeat):
+class _Limit:
+    """The medium's limit, one timed run per call."""
+
+    def __init__(self, medium: str, size: int, conn: Connection, raw_port: int) -> None:
+        self._medium = medium
+        self._size = size
+        self._conn = conn
+        self._src = np.random.default_rng(1).integers(0, 255, size, dtype=np.uint8)
+        self._sock: socket.socket | None = None
+        if medium == "shm":
+            self._dst = np.ones(size, dtype=np.uint8)  # preallocated and faulted in
+        else:
+            self._sock = socket.create_connection(("127.0.0.1", raw_port))
+            tune_socket(self._sock)
+
+    def once(self) -> float:
+        """Seconds for one limit run."""
         start = time.perf_counter()
-        d[:] = s
-        times.append(time.perf_counter() - start)
-    return size / statistics.median(times) / 1e9
-
-
-def _raw_tcp_gbps(conn: Connection, port: int, size: int, repeat: int) -> float:
-    data = np.random.default_rng(2).integers(0, 255, size, dtype=np.uint8).data
-    conn.send(("raw", repeat))
-    times = []
-    with socket.create_connection(("127.0.0.1", port)) as sock:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        for _ in range(repeat):
-            start = time.perf_counter()
-            sock.sendall(data)
-            if sock.recv(1) != b"k":
+        if self._sock is None:
+            np.copyto(self._dst, self._src)
+        else:
+            self._conn.send(("raw",))
+            self._sock.sendall(self._src.data)
+            if self._sock.recv(1) != b"k":
                 raise TransportError("raw receiver failed")
-            times.append(time.perf_counter() - start)
-    return size / statistics.median(times) / 1e9
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
 
 
-def run_transfer_benchmark(config: BenchConfig) -> dict[str, Any]:
-    """Run the benchmark; returns the JSON-ready result (see ``topkv bench transfer``)."""
+def _transfer_once(
+    source: TransferSource,
+    conn: Connection,
+    address: str,
+    layout: KVLayout,
+    tensors: list[memoryview],
+    request_id: int,
+    verify: bool,
+) -> float:
+    """One transfer; returns the sender's seconds (open -> verified ack)."""
+    conn.send(("receive", request_id, verify))
+    out = source.open(TransferDescriptor(request_id, "bench", layout), address)
+    no_crc = None if verify else (0, 0)
+    for layer in range(layout.num_layers):
+        out.send_layer(layer, tensors[2 * layer : 2 * layer + 2], no_crc)
+    result = out.finish().result(120)
+    reply = conn.recv()
+    if reply[0] != "ok":
+        raise TransportError(f"receiver failed: {reply[1]}")
+    return result.seconds
+
+
+def _run(config: BenchConfig, variants: tuple[bool, ...]) -> dict[str, Any]:
+    """Interleave limit and transfer runs (one per verify variant); medians and reports."""
     info = registry.get(config.transport)
     layout = bench_layout(config.size_bytes)
     size = layout.total_bytes
+    medium = _inner_medium(info.name)
     secret = os.urandom(32)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(
-        target=_sink_main, args=(child, info.name, secret, config.verify, size), daemon=True
-    )
+    proc = ctx.Process(target=_sink_main, args=(child, medium, secret, size), daemon=True)
     proc.start()
+    source: TransferSource | None = None
+    limit: _Limit | None = None
     try:
-        address, raw_port = parent.recv()
-        medium = _inner_medium(info.name)
-        if medium == "shm":
-            limit = _memcpy_gbps(size, config.repeat)
-        else:
-            limit = _raw_tcp_gbps(parent, raw_port, size, config.repeat)
+        addresses, raw_port = parent.recv()
+        limit = _Limit(medium, size, parent, raw_port)
         source = info.make_source(secret)
-        if isinstance(source, EmulatedSource):
-            source.dilation = dilation_for(source.link, limit)
         if medium == "tcp" and config.streams > 1 and hasattr(source, "streams"):
             source.streams = config.streams
         data = np.random.default_rng(3).integers(0, 255, size, dtype=np.uint8)
-        view = data.data
         tensor = layout.tensor_bytes
-        tensors = [view[i * tensor : (i + 1) * tensor] for i in range(2 * layout.num_layers)]
-        no_crc = None if config.verify else (0, 0)
-        results = []
-        for rep in range(config.repeat + 1):  # the first run warms connections and segments
-            descriptor = TransferDescriptor(rep + 1, "bench", layout)
-            parent.send(("receive", rep + 1))
-            out = source.open(descriptor, address)
-            for layer in range(layout.num_layers):
-                out.send_layer(layer, tensors[2 * layer : 2 * layer + 2], no_crc)
-            result = out.finish().result(120)
-            reply = parent.recv()
-            if reply[0] != "ok":
-                raise TransportError(f"receiver failed: {reply[1]}")
-            if rep:
-                results.append(result)
-        source.close()
-        seconds = statistics.median(r.seconds for r in results)
-        gbps = size / seconds / 1e9
-        report: dict[str, Any] = {
-            "transport": info.name,
-            "size_bytes": size,
-            "gbps": round(gbps, 3),
-            "limit_gbps": round(limit, 3),
-            "ratio_to_limit": round(gbps / limit, 3),
-            "checksum": "verified" if config.verify else "off",
-            "emulated": info.emulated,
-        }
-        if info.emulated:
-            model = source.link if isinstance(source, EmulatedSource) else None
-            assert model is not None
-            report["limit_gbps"] = model.bandwidth_gbps
-            report["ratio_to_limit"] = round(gbps / model.bandwidth_gbps, 3)
-            report["dilation"] = round(results[0].dilation, 3)
-            report["medium"] = medium
-            report["medium_limit_gbps"] = round(limit, 3)
-        return report
+        tensors = [data.data[i * tensor : (i + 1) * tensor] for i in range(2 * layout.num_layers)]
+        limit.once()  # warm-up
+        if isinstance(source, EmulatedSource):
+            source.dilation = dilation_for(source.link, size / limit.once() / 1e9)
+        request_ids = iter(range(1, 1 << 30))
+        runs: list[Callable[[], float]] = []
+        for verify in variants:
+            runs.append(
+                lambda v=verify: _transfer_once(  # type: ignore[misc]
+                    source, parent, addresses[v], layout, tensors, next(request_ids), v
+                )
+            )
+        for run in runs:
+            run()  # warm-up: connections, segments, destination buffers
+        limit_times: list[float] = []
+        times: list[list[float]] = [[] for _ in variants]
+        for _ in range(config.repeat):
+            limit_times.append(limit.once())
+            for index, run in enumerate(runs):
+                times[index].append(run())
+        limit_gbps = size / statistics.median(limit_times) / 1e9
+        reports = {}
+        for verify, samples in zip(variants, times, strict=True):
+            gbps = size / statistics.median(samples) / 1e9
+            report: dict[str, Any] = {
+                "transport": info.name,
+                "size_bytes": size,
+                "gbps": round(gbps, 3),
+                "limit_gbps": round(limit_gbps, 3),
+                "ratio_to_limit": round(gbps / limit_gbps, 3),
+                "checksum": "verified" if verify else "off",
+                "emulated": info.emulated,
+            }
+            if isinstance(source, EmulatedSource):
+                report["limit_gbps"] = source.link.bandwidth_gbps
+                report["ratio_to_limit"] = round(gbps / source.link.bandwidth_gbps, 3)
+                report["dilation"] = round(source.dilation, 3)
+                report["medium"] = medium
+                report["medium_limit_gbps"] = round(limit_gbps, 3)
+            reports[str(verify)] = report
+        return reports
     finally:
+        if source is not None:
+            source.close()
+        if limit is not None:
+            limit.close()
         with contextlib.suppress(Exception):
             parent.send(("stop",))
             parent.recv()
@@ -202,16 +243,28 @@ def run_transfer_benchmark(config: BenchConfig) -> dict[str, Any]:
             proc.kill()
 
 
+def run_transfer_benchmark(config: BenchConfig) -> dict[str, Any]:
+    """Run the benchmark; returns the JSON-ready result (see ``topkv bench transfer``)."""
+    result: dict[str, Any] = _run(config, (config.verify,))[str(config.verify)]
+    return result
+
+
 def crc_overhead_report(config: BenchConfig) -> dict[str, Any]:
-    """Run with and without CRC-64 verification; overhead = t_verified / t_plain - 1."""
-    on = run_transfer_benchmark(config)
-    off = run_transfer_benchmark(
-        BenchConfig(config.transport, config.size_bytes, config.repeat, False, config.streams)
-    )
+    """Verified and unverified transfers interleaved in one run.
+
+    ``crc_overhead`` = t_verified / t_unverified - 1 (medians); both ratios to the limit
+    measured in the same run are included.
+    """
+    reports = _run(config, (True, False))
+    on, off = reports["True"], reports["False"]
     return {
         "transport": config.transport,
         "size_bytes": on["size_bytes"],
         "gbps_verified": on["gbps"],
         "gbps_unverified": off["gbps"],
+        "limit_gbps": on["limit_gbps"],
+        "ratio_verified": on["ratio_to_limit"],
+        "ratio_unverified": off["ratio_to_limit"],
         "crc_overhead": round(off["gbps"] / on["gbps"] - 1, 3),
+        "load_average": round(os.getloadavg()[0], 2),
     }

@@ -1,8 +1,9 @@
 """Shared-memory transport between processes on one host: one copy, read in place.
 
-The sender copies each layer (fusing the CRC-64 into the copy, chunk by chunk while the
-chunk is in cache) into a segment in ``/dev/shm`` that the receiver has mapped; the receiver
-verifies and hands out read-only views *into the segment* (no second copy). A unix socket
+The sender copies each layer into a segment in ``/dev/shm`` that the receiver has mapped,
+fusing the CRC-64 into the copy (each 1 MiB chunk is checksummed right after it was copied,
+from the destination, while it is in cache); the receiver verifies each layer in place as
+its header arrives and hands out read-only views *into the segment* (no second copy). A unix socket
 carries the control records (transfer header, per-layer frame headers, acks, releases) and
 the same HMAC handshake as TCP.
 
@@ -38,6 +39,8 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import numpy as np
 
 from topkv.transport import framing
 from topkv.transport.base import (
@@ -115,15 +118,32 @@ def segments_of(pid: int, directory: Path = SEGMENT_DIR) -> list[str]:
     return []
 
 
-def copy_with_crc(dst: memoryview, src: memoryview) -> int:
-    """Copy ``src`` into ``dst`` and return the CRC-64 of the bytes.
+#: Bytes copied per step of :func:`copy_with_crc`: small enough that the chunk is still in
+#: the core's L2 cache when its CRC is computed right after the copy.
+COPY_CHUNK = 1 << 20
 
-    Two whole-buffer passes (CRC of the source, then one memcpy) measured faster here than
-    a chunked copy fused with the CRC, whose per-chunk calls broke the streaming copy.
+
+def copy_with_crc(dst: memoryview, src: memoryview, chunk: int = COPY_CHUNK) -> int:
+    """Copy ``src`` into ``dst`` and return the CRC-64 of the bytes, in one pass over memory.
+
+    Each ``chunk`` is copied (numpy, GIL released) and then checksummed from the
+    destination while it is hot in cache, so the CRC costs a cache read instead of a second
+    trip to memory. (Checksumming the whole source first and then copying, as an earlier
+    version did, reads the source from memory twice: +40-90% over the bare copy.)
     """
-    crc = framing.crc64(src)
-    dst[:] = src
+    source = np.frombuffer(src, dtype=np.uint8)
+    target = np.frombuffer(dst, dtype=np.uint8)
+    crc = 0
+    for start in range(0, source.size, chunk):
+        piece = target[start : start + chunk]
+        np.copyto(piece, source[start : start + chunk])
+        crc = framing.crc64(piece, crc)
     return crc
+
+
+def copy_into(dst: memoryview, src: memoryview) -> None:
+    """Copy without a checksum (numpy, GIL released)."""
+    np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
 
 
 def parse_shm_address(address: str) -> str:
@@ -378,7 +398,7 @@ class _ShmOutgoing(OutgoingTransfer):
                     if item.crcs is None:
                         crcs.append(copy_with_crc(dst, tensor))
                     else:
-                        dst[:] = tensor
+                        copy_into(dst, tensor)
                 if item.crcs is not None:
                     crcs = list(item.crcs)
                 conn.send(framing.encode_layer_header(self.descriptor, item.layer, tuple(crcs)))

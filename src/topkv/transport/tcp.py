@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import queue
 import socket
 import threading
@@ -68,7 +69,7 @@ from topkv.transport.sockio import recv_exactly, send_buffers
 
 log = logging.getLogger(__name__)
 
-SOCKET_BUFFER_BYTES = 4 << 20
+SOCKET_BUFFER_BYTES = int(os.environ.get("TKV_SOCKBUF", 1 << 20))
 
 
 def parse_tcp_address(address: str) -> tuple[str, int]:
@@ -81,8 +82,12 @@ def parse_tcp_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def _tune(sock: socket.socket) -> None:
+def tune_socket(sock: socket.socket) -> None:
+    """Settings for bulk KV streams (also used by the benchmark's raw-socket limit)."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if SOCKET_BUFFER_BYTES:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
 
 
 # -- receiver --------------------------------------------------------------------------------
@@ -171,7 +176,7 @@ class TcpSink(TransferSink):
         with self._lock:
             self._conns.add(conn)
         try:
-            _tune(conn)
+            tune_socket(conn)
             conn.settimeout(self._handshake_timeout)
             try:
                 server_handshake(conn, self._secret)
@@ -365,7 +370,7 @@ class _Pool:
         except OSError as exc:
             raise PeerDied(f"cannot connect to {dest[0]}:{dest[1]}: {exc}") from exc
         try:
-            _tune(sock)
+            tune_socket(sock)
             client_handshake(sock, self._secret)
         except BaseException:
             sock.close()
@@ -410,6 +415,10 @@ class _TcpOutgoing(OutgoingTransfer):
         self._finished = False
         self._started = time.perf_counter()
         self._header = framing.encode_transfer_header(descriptor, self._streams)
+        # Checksum stage: computes the CRCs of layer l+1 while a stream sends layer l (the
+        # layer is then still in the last-level cache when the kernel copies it).
+        self._pending: queue.SimpleQueue[LayerItem | object] = queue.SimpleQueue()
+        threading.Thread(target=self._checksum_stage, name="tcp-crc", daemon=True).start()
         for index in range(self._streams):
             threading.Thread(
                 target=self._run_stream, args=(index,), name="tcp-send", daemon=True
@@ -425,7 +434,7 @@ class _TcpOutgoing(OutgoingTransfer):
             if layer in self._sent_layers:
                 raise FrameRejected(f"layer {layer} queued twice")
             self._sent_layers.add(layer)
-        self._queues[layer % self._streams].put(item)
+        self._pending.put(item)
 
     def finish(self) -> Future[TransferResult]:
         with self._lock:
@@ -434,8 +443,7 @@ class _TcpOutgoing(OutgoingTransfer):
                 missing = self.descriptor.layout.num_layers - len(self._sent_layers)
                 if missing:
                     self._set_error(FrameRejected(f"finish() with {missing} layers not sent"))
-                for q in self._queues:
-                    q.put(_FINISH)
+                self._pending.put(_FINISH)
         return self._future
 
     def cancel(self) -> None:
@@ -449,6 +457,20 @@ class _TcpOutgoing(OutgoingTransfer):
         with self._lock:
             if self._error is None:
                 self._error = error
+        self._pending.put(_FINISH)
+        for q in self._queues:
+            q.put(_FINISH)
+
+    def _checksum_stage(self) -> None:
+        """Fill in missing CRCs in queue order and hand each layer to its stream."""
+        while True:
+            item = self._pending.get()
+            if item is _FINISH or self._error is not None:
+                break
+            assert isinstance(item, LayerItem)
+            if item.crcs is None:
+                item = LayerItem(item.layer, item.tensors, layer_crcs(item))
+            self._queues[item.layer % self._streams].put(item)
         for q in self._queues:
             q.put(_FINISH)
 
