@@ -36,7 +36,7 @@ def node_from_topo(fixture: str, name: str, gpu_name: str) -> Node:
         GPU(
             index=i,
             name=gpu_name,
-            numa=(matrix.rows[i].numa_affinity or [None])[0] if i in matrix.rows else None,
+            numa=next(iter(matrix.rows[i].numa_affinity), None) if i in matrix.rows else None,
             nvlink_domain=domain_id if i in nvlinked else None,
         )
         for i in matrix.gpu_indices
