@@ -32,7 +32,13 @@ def demo_command(
     trace: Path | None = typer.Option(None, "--trace", help="Azure LLM trace 2023 CSV."),
 ) -> None:
     """Prefill and decode in separate processes with layer-by-layer KV streaming."""
-    from topkv.demo.report import request_json, results_table, summarize, summary_text
+    from topkv.demo.report import (
+        options_json,
+        request_json,
+        results_table,
+        summarize,
+        summary_text,
+    )
     from topkv.demo.runner import DemoOptions, DemoRun, Progress
     from topkv.engine import model_extra_available
     from topkv.engine.deps import INSTALL_HINT
@@ -67,7 +73,11 @@ def demo_command(
             raise typer.Exit(130) from None
     summary = summarize(results, options, time.perf_counter() - started, run.model_id)
     if as_json:
-        payload = {"requests": [request_json(r) for r in results], "summary": summary}
+        payload = {
+            "requests": [request_json(r) for r in results],
+            "summary": summary,
+            "options": options_json(options),
+        }
         sys.stdout.write(json.dumps(payload, allow_nan=False) + "\n")
     else:
         out = Console()

@@ -15,6 +15,9 @@ from topkv.engine.spec import DemoModelConfig
 
 Schedule = Literal["stream", "serial", "replay"]
 ExpectKind = Literal["decode", "drain"]
+#: Who keeps a prefill worker's KV alive: the relay orchestrator (until it released the
+#: source after a verified delivery) and the demo's baselines (serial and replay sends).
+HOLDERS = ("relay", "baselines")
 
 
 @dataclass(frozen=True)
@@ -45,9 +48,12 @@ class LinkSpec:
 
 @dataclass(frozen=True)
 class Prefill:
+    """Run the prompt's forward pass once; hold its KV until every holder released it."""
+
     rid: int
     prompt_len: int
     prompt_seed: int
+    holders: tuple[str, ...] = HOLDERS
 
 
 @dataclass(frozen=True)
@@ -72,8 +78,19 @@ class Send:
 
 
 @dataclass(frozen=True)
-class Release:
+class CancelSend:
+    """Abandon the outgoing transfer ``wire_rid`` (the orchestrator cancelled the attempt)."""
+
     rid: int
+    wire_rid: int
+
+
+@dataclass(frozen=True)
+class Release:
+    """``holder`` no longer needs ``rid``'s KV; the worker frees it once all holders did."""
+
+    rid: int
+    holder: str = "relay"
 
 
 @dataclass(frozen=True)
@@ -86,7 +103,12 @@ class Stop:
 
 @dataclass(frozen=True)
 class Expect:
-    """Receive transfer ``wire_rid`` on ``medium``; decode it, or just verify and drop it."""
+    """Receive transfer ``wire_rid`` on ``medium``.
+
+    ``decode``: verify it, report its digest (:class:`Held`) and hold it until told to
+    :class:`Take` it for decode (or to :class:`Discard` it); ``drain``: verify, stamp and
+    drop it (the baselines' copies).
+    """
 
     rid: int
     tag: str
@@ -96,6 +118,23 @@ class Expect:
     prompt_len: int
     max_new_tokens: int = 0
     timeout_s: float = 60.0
+
+
+@dataclass(frozen=True)
+class Take:
+    """The orchestrator verified and handed off ``wire_rid``: decode it (with prefill's
+    first token, which the prefill worker sends straight to the decode worker)."""
+
+    rid: int
+    wire_rid: int
+
+
+@dataclass(frozen=True)
+class Discard:
+    """Drop the copy of ``rid`` held (or still arriving) as ``wire_rid``; all when None."""
+
+    rid: int
+    wire_rid: int | None = None
 
 
 @dataclass(frozen=True)
@@ -140,6 +179,7 @@ class PrefillDone:
     forward_end_s: float
     layer_ready_s: tuple[float, ...]  # layer l's K/V stored and offered to senders
     layer_compute_s: tuple[float, ...]  # the layer's own forward time (hooks)
+    digest: int = 0  # relay.executor.kv_digest of the KV it holds
 
 
 @dataclass(frozen=True)
@@ -156,6 +196,22 @@ class SendDone:
     emulated: bool
     dilation: float
     error: str | None = None
+    wire_rid: int = -1
+    failure: str | None = None  # relay FailureKind value of ``error``
+
+
+@dataclass(frozen=True)
+class Held:
+    """A verified copy of ``wire_rid`` now held by a decode worker, awaiting Take/Discard."""
+
+    worker_id: str
+    rid: int
+    wire_rid: int
+    digest: int  # relay.executor.kv_digest over the bytes it holds
+    arrivals_s: tuple[float, ...]
+    verified_s: float
+    error: str | None = None
+    failure: str | None = None  # relay FailureKind value of ``error``
 
 
 @dataclass(frozen=True)
@@ -200,4 +256,4 @@ class Failed:
     message: str
 
 
-Event = Ready | PrefillDone | SendDone | Received | Decoded | ReferenceDone | Failed
+Event = Ready | PrefillDone | SendDone | Held | Received | Decoded | ReferenceDone | Failed

@@ -26,6 +26,13 @@ JSON_REQUEST_KEYS = (
     "ttft_ms",
     "tokens_identical",
     "emulated",
+    # added after issue #6's list: what a replay of the run needs (topkv sim-validate)
+    "arrival_ms",
+    "prompt_len",
+    "prefill_worker",
+    "decode_worker",
+    "queue_ms",
+    "decode_ms",
 )
 MODEL_TOLERANCE = 0.15
 
@@ -40,6 +47,17 @@ def request_json(result: RequestResult) -> dict[str, Any]:
         value = getattr(result, key)
         out[key] = _finite(value) if isinstance(value, float) else value
     return out
+
+
+def options_json(options: DemoOptions) -> dict[str, Any]:
+    """The settings that reproduce the run's requests (top-level ``options`` of --json)."""
+    return {
+        "requests": options.requests,
+        "seed": options.seed,
+        "speedup": options.speedup,
+        "dilation": options.dilation,
+        "new_tokens": options.new_tokens,
+    }
 
 
 def _pct(values: Sequence[float]) -> dict[str, float]:

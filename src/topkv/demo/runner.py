@@ -1,19 +1,28 @@
 """Drives one demo run: replay the workload through the cluster and measure every request.
 
-Per request: route it (decode worker and transport, chosen by the same routing and
-selection policies as the relay) when a prefill worker is free; the prefill worker runs
-one forward pass and streams each layer to the decode worker as soon as it is computed;
-the decode worker starts when the last layer landed verified and prefill's first token
-arrived, and generates ``new_tokens`` greedily. Then the same KV is sent again as a whole
-(the serial baseline) and, unless the path was already RDMA, once more over emulated RDMA
-replaying the recorded layer-ready schedule (the uniform-RDMA baseline, measured). Finally
-every prompt is generated in a single process (spread over all workers, after the timed
-phase so it disturbs no measurement) and the tokens are compared.
+Per request, when a prefill worker is free (and some decode worker has a free slot): the
+prefill worker starts its one forward pass and the request is submitted at once to the
+relay :class:`~topkv.relay.orchestrator.Orchestrator` (embedded registry, the demo's
+topology as pair views, ``CostPolicy``) with a deferred source digest. The orchestrator
+routes it (decode worker), ranks the transports and starts the attempt through
+:class:`~topkv.demo.executor.DemoExecutor`: each layer goes out as prefill's hook
+publishes it. Once the last layer landed, the decode worker's digest is checked against
+the prefill worker's; on the orchestrator's completion the decode worker takes the
+verified copy with prefill's first token and generates ``new_tokens`` greedily.
+
+Then the same KV is sent again as a whole (the serial baseline) and, unless the path was
+already RDMA, once more over emulated RDMA replaying the recorded layer-ready schedule (the
+uniform-RDMA baseline, measured); these two go straight between the workers. Finally every
+prompt is generated in a single process (spread over all workers, after the timed phase
+so it disturbs no measurement) and the tokens are compared.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import math
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,11 +31,14 @@ from pathlib import Path
 from topkv.demo import measure
 from topkv.demo.cluster import LocalCluster
 from topkv.demo.errors import DemoError
+from topkv.demo.executor import DemoExecutor, WorkerPort
 from topkv.demo.protocol import (
     Decoded,
+    Discard,
     Event,
     Expect,
     Failed,
+    Held,
     LinkSpec,
     Prefill,
     PrefillDone,
@@ -36,27 +48,30 @@ from topkv.demo.protocol import (
     Release,
     Send,
     SendDone,
+    Take,
 )
 from topkv.demo.topology import (
     DEFAULT_FIXTURE,
     DEFAULT_PLACEMENTS,
     LinkChoice,
-    Placement,
     find_fixture,
     pair_view,
     two_node_cluster,
     worker_info,
 )
+from topkv.demo.worker import WIRE_DTYPES
 from topkv.demo.workload import DemoRequest, find_trace, load_requests
 from topkv.engine.spec import DemoModelConfig
-from topkv.policy import CostPolicy, DecodeWorkerView, RoutingPolicy, TransferRequest, UniformPolicy
-from topkv.policy.route import RouteDecision
+from topkv.errors import TopKVError
+from topkv.policy import PairView, TransferRequest, UniformPolicy
+from topkv.relay.orchestrator import Completion, Orchestrator, OrchestratorConfig
 from topkv.relay.registry import MemoryRegistry
-from topkv.topology.model import Cluster
+from topkv.relay.transfers import Outcome, TransferState
+from topkv.relay.workers import WorkerInfo
+from topkv.transport.base import KVLayout
 
 now = time.perf_counter
 STREAM, SERIAL, REPLAY = "stream", "serial", "replay"
-_TAG_INDEX = {STREAM: 0, SERIAL: 1, REPLAY: 2}
 
 
 @dataclass(frozen=True)
@@ -96,6 +111,9 @@ class RequestResult:
     prompt_len: int
     trace_prompt_tokens: int
     bytes: int
+    arrival_ms: float
+    queue_ms: float
+    decode_ms: float
     prefill_ms: float
     transfer_ms: float
     exposed_ms: float
@@ -107,6 +125,7 @@ class RequestResult:
     tokens_identical: bool
     emulated: bool
     dilation: float
+    attempts: int = 0
     error: str | None = None
 
 
@@ -124,6 +143,9 @@ class _Request:
     received: dict[str, Received] = field(default_factory=dict)
     decoded: Decoded | None = None
     reference: ReferenceDone | None = None
+    wires: dict[str, int] = field(default_factory=dict)
+    attempts: int = 0
+    baselines_released: bool = False
     error: str | None = None
 
     @property
@@ -151,62 +173,6 @@ class Progress:
 ProgressCallback = Callable[[Progress], None]
 
 
-class DemoRouter:
-    """Decode-worker routing and transport selection (the relay's policies) on the topology.
-
-    Workers are registered in the embedded registry; each decode worker has
-    ``capacity`` slots, taken from routing until its decode ends.
-    """
-
-    def __init__(
-        self,
-        topology: Cluster,
-        placements: list[Placement],
-        registry: MemoryRegistry,
-        capacity: int,
-    ) -> None:
-        self.topology = topology
-        self.placements = {p.worker_id: p for p in placements}
-        self.registry = registry
-        self.capacity = capacity
-        self.used: dict[str, int] = {}
-        self.selector = CostPolicy()
-        self.routing = RoutingPolicy()
-
-    def route(self, source: str, nbytes: int, chunks: int) -> RouteDecision | None:
-        src = self.placements[source].endpoint
-        views = [
-            DecodeWorkerView(
-                worker_id=info.worker_id,
-                endpoint=self.placements[info.worker_id].endpoint,
-                free_slots=self.capacity - self.used.get(info.worker_id, 0),
-                load=self.used.get(info.worker_id, 0) / self.capacity,
-            )
-            for info in self.registry.workers("decode")
-        ]
-        decision = self.routing.choose_decode(
-            src,
-            views,
-            lambda a, b: pair_view(self.topology, a, b),
-            TransferRequest(nbytes, chunks),
-            self.selector,
-        )
-        if decision is not None:
-            self.used[decision.worker_id] = self.used.get(decision.worker_id, 0) + 1
-        return decision
-
-    def release(self, worker_id: str) -> None:
-        self.used[worker_id] = max(0, self.used.get(worker_id, 0) - 1)
-
-    def uniform_rdma(self, source: str, destination: str, nbytes: int, chunks: int) -> LinkChoice:
-        pair = pair_view(
-            self.topology, self.placements[source].endpoint, self.placements[destination].endpoint
-        )
-        return LinkChoice.from_selection(
-            UniformPolicy("rdma").select(pair, TransferRequest(nbytes, chunks))
-        )
-
-
 class DemoRun:
     def __init__(self, options: DemoOptions, on_progress: ProgressCallback | None = None) -> None:
         self.options = options
@@ -221,12 +187,20 @@ class DemoRun:
         )
         self.topology = two_node_cluster(find_fixture(options.fixture))
         self.placements = list(DEFAULT_PLACEMENTS)
+        self._placement = {p.worker_id: p for p in self.placements}
         self.states = {r.rid: _Request(r) for r in self.requests}
         self.phase = "starting workers"
         self.started_s = now()
         self.model_id = ""
         self.layer_bytes_per_token = 0
         self.layers = 0
+        self.kv_heads = 0
+        self.head_dim = 0
+        self.wire_dtype = "fp32"
+        self._links: dict[tuple[str, str, str], LinkChoice] = {}
+        self._pump_error: BaseException | None = None
+        self._aborts: set[asyncio.Task[object]] = set()
+        self.attempts_total = 0
 
     # -- public ----------------------------------------------------------------------------
 
@@ -241,25 +215,123 @@ class DemoRun:
             first = next(iter(cluster.ready.values()))
             self.model_id = first.model_id
             self.layers = first.layers
+            self.kv_heads, self.head_dim = first.kv_heads, first.head_dim
+            self.wire_dtype = WIRE_DTYPES[first.dtype]
             itemsize = {"float32": 4, "float16": 2, "bfloat16": 2}[first.dtype]
             self.layer_bytes_per_token = 2 * first.kv_heads * first.head_dim * itemsize
             registry = MemoryRegistry()
             for placement in self.placements:
                 ready = cluster.ready[placement.worker_id]
                 address = ready.addresses.get("tcp", "")
-                registry.register(worker_info(placement, self.topology, address), ttl_s=3600)
-            self.router = DemoRouter(
-                self.topology, self.placements, registry, self.options.decode_capacity
-            )
+                capacity = self.options.decode_capacity if placement.role == "decode" else 1
+                info = worker_info(placement, self.topology, address, capacity)
+                registry.register(info, ttl_s=3600)
             self.addresses = {w: r.addresses for w, r in cluster.ready.items()}
-            self._timed_phase()
+            self.executor = DemoExecutor(
+                WorkerPort(cluster.send, lambda w: bool(cluster.processes[w].is_alive())),
+                self.addresses,
+                self.link_for,
+                dilation=self.options.dilation,
+                new_tokens=self.options.new_tokens,
+                timeout_s=self.options.request_timeout_s,
+            )
+            asyncio.run(self._timed_phase(registry))
             self._reference_phase()
         return [self._result(s) for s in self.states.values()]
 
+    def link_for(
+        self, source: str, destination: str, transport: str, nbytes: int, chunks: int
+    ) -> LinkChoice:
+        """The emulated path ``transport`` takes between two workers (paced to it)."""
+        key = (source, destination, transport)
+        found = self._links.get(key)
+        if found is None:
+            pair = pair_view(
+                self.topology,
+                self._placement[source].endpoint,
+                self._placement[destination].endpoint,
+            )
+            selection = UniformPolicy(transport).select(pair, TransferRequest(nbytes, chunks))
+            if selection.chosen.transport != transport:
+                raise DemoError(f"no {transport} path from {source} to {destination}")
+            found = self._links[key] = LinkChoice.from_selection(selection)
+        return found
+
+    def _relay_pair_view(self, source: WorkerInfo, destination: WorkerInfo) -> PairView:
+        return pair_view(
+            self.topology,
+            self._placement[source.worker_id].endpoint,
+            self._placement[destination.worker_id].endpoint,
+        )
+
+    def _layout(self, prompt_len: int) -> KVLayout:
+        return KVLayout(
+            num_layers=self.layers,
+            seq_len=prompt_len,
+            kv_heads=self.kv_heads,
+            head_dim=self.head_dim,
+            dtype=self.wire_dtype,
+        )
+
     # -- timed phase -----------------------------------------------------------------------
 
-    def _timed_phase(self) -> None:
+    async def _timed_phase(self, registry: MemoryRegistry) -> None:
+        """Replay the requests through the relay orchestrator, events pumped from workers."""
         self.phase = "replaying requests"
+        loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        stop = threading.Event()
+        pump = threading.Thread(
+            target=self._pump, args=(loop, stop), name="demo-event-pump", daemon=True
+        )
+        timeout = self.options.request_timeout_s
+        config = OrchestratorConfig(
+            attempt_timeout_s=timeout,
+            executor_call_timeout_s=timeout,
+            route_wait_s=timeout,
+            submit_timeout_s=timeout,
+        )
+        pump.start()
+        try:
+            async with Orchestrator(
+                registry, self.executor, config=config, pair_view=self._relay_pair_view
+            ) as orch:
+                self.orch = orch
+                consumer = asyncio.create_task(self._consume_completions(orch))
+                try:
+                    await self._replay(orch)
+                finally:
+                    consumer.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await consumer
+        finally:
+            stop.set()
+            pump.join(2.0)
+        self.attempts_total = self.executor.attempts
+        if self._pump_error is not None:
+            raise self._pump_error
+
+    def _pump(self, loop: asyncio.AbstractEventLoop, stop: threading.Event) -> None:
+        """Worker events -> the event loop (this thread only blocks on the queue)."""
+        while not stop.is_set():
+            try:
+                event = self.cluster.next_event(timeout=0.1)
+            except BaseException as exc:  # a worker process died
+                loop.call_soon_threadsafe(self._on_pump_error, exc)
+                return
+            if event is not None:
+                loop.call_soon_threadsafe(self._on_event, event)
+
+    def _on_pump_error(self, exc: BaseException) -> None:
+        self._pump_error = exc
+        self._wake.set()
+
+    def _on_event(self, event: Event) -> None:
+        self.executor.on_event(event)
+        self._handle(event)
+        self._wake.set()
+
+    async def _replay(self, orch: Orchestrator) -> None:
         start = now() + 0.05
         waiting = sorted(self.states.values(), key=lambda s: s.request.arrival_s)
         queued: list[_Request] = []
@@ -269,6 +341,9 @@ class DemoRun:
         self._busy = busy
         deadline_of: dict[int, float] = {}
         while any(s.stage not in ("transferred", "failed") for s in self.states.values()):
+            self._wake.clear()
+            if self._pump_error is not None:
+                return
             t = now()
             while waiting and start + waiting[0].request.arrival_s <= t:
                 state = waiting.pop(0)
@@ -276,42 +351,102 @@ class DemoRun:
                 state.arrival_s = start + state.request.arrival_s
                 queued.append(state)
                 deadline_of[state.rid] = state.arrival_s + self.options.request_timeout_s
-            for worker_id in sorted(busy, key=lambda w: w):
-                if busy[worker_id] is None and queued and self._dispatch(queued[0], worker_id):
-                    busy[worker_id] = queued.pop(0).rid
-            next_arrival = start + waiting[0].request.arrival_s - t if waiting else 0.2
-            event = self.cluster.next_event(timeout=min(0.2, max(0.001, next_arrival)))
-            if event is not None:
-                self._handle(event)
+            for worker_id in sorted(busy):
+                if busy[worker_id] is None and queued and self._decode_slot_free(orch):
+                    state = queued.pop(0)
+                    busy[worker_id] = state.rid
+                    await self._dispatch(orch, state, worker_id)
             for rid, deadline in deadline_of.items():
                 state = self.states[rid]
                 if state.stage not in ("transferred", "failed") and now() > deadline:
                     state.fail(f"timed out in stage {state.stage}")
                     self._finish_transfers(state)
+                    if orch.transfers.get(rid) is not None:
+                        await orch.abort(rid)
             self._report()
+            next_arrival = start + waiting[0].request.arrival_s - now() if waiting else 0.2
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), min(0.2, max(0.001, next_arrival)))
 
-    def _dispatch(self, state: _Request, prefill_worker: str) -> bool:
-        """Route ``state`` from ``prefill_worker``; False when no decode slot is free."""
-        prompt_len = state.request.prompt_len
-        nbytes = prompt_len * self.layer_bytes_per_token * self.layers
-        decision = self.router.route(prefill_worker, nbytes, self.layers)
-        if decision is None:
-            return False
-        state.prefill_worker = prefill_worker
-        state.decode_worker = decision.worker_id
-        state.link = LinkChoice.from_selection(decision.selection)
-        state.rdma_link = self.router.uniform_rdma(
-            prefill_worker, decision.worker_id, nbytes, self.layers
+    def _decode_slot_free(self, orch: Orchestrator) -> bool:
+        """Admission: start a prefill only when some decode worker can take its KV (slots
+        reserved by the relay's routing, less the requests it has yet to route)."""
+        free = sum(
+            max(0, self.options.decode_capacity - orch.slots_used(p.worker_id))
+            for p in self.placements
+            if p.role == "decode"
         )
+        return free > len(orch.query(TransferState.QUEUED))
+
+    async def _dispatch(self, orch: Orchestrator, state: _Request, prefill_worker: str) -> None:
+        """Start prefill on ``prefill_worker`` and hand the request to the orchestrator at
+        once: it routes, selects and starts streaming while prefill still computes."""
+        state.prefill_worker = prefill_worker
         state.stage = "prefill"
-        rid = state.rid
-        self.cluster.send(prefill_worker, Prefill(rid, prompt_len, state.request.prompt_seed))
-        self._expect(state, STREAM, "decode")
-        self._send(state, STREAM, state.link, first_token_to=decision.worker_id)
-        return True
+        request = state.request
+        self.cluster.send(
+            prefill_worker, Prefill(state.rid, request.prompt_len, request.prompt_seed)
+        )
+        try:
+            await orch.submit(
+                state.rid,
+                self.model_id,
+                self._layout(request.prompt_len),
+                prefill_worker,
+                block=False,
+                defer_digest=True,
+            )
+        except TopKVError as exc:
+            state.fail(f"relay refused the request: {exc}")
+            self.cluster.send(prefill_worker, Release(state.rid, "relay"))
+            self._finish_transfers(state)
+
+    async def _consume_completions(self, orch: Orchestrator) -> None:
+        while True:
+            completion = await orch.next_completion(timeout_s=3600.0)
+            self._on_completion(completion)
+            self._wake.set()
+
+    def _on_completion(self, completion: Completion) -> None:
+        state = self.states.get(completion.request_id)
+        if state is None:
+            return
+        record = self.orch.transfers.get(completion.request_id)
+        if record is not None:
+            state.attempts = len(record.attempts)
+        if completion.outcome != Outcome.DELIVERED or completion.destination is None:
+            state.fail(f"relay: {completion.outcome.value}: {completion.reason}")
+            self._finish_transfers(state)
+            return
+        attempt = self.executor.delivered.get(completion.request_id)
+        if state.stage == "failed" or attempt is None:
+            self.cluster.send(completion.destination, Discard(state.rid))
+            self._release_slot(state.rid)
+            state.fail(state.error or "delivered copy unknown to the executor")
+            self._finish_transfers(state)
+            return
+        state.decode_worker = completion.destination
+        state.link = attempt.link
+        state.sends[STREAM] = attempt.send
+        nbytes = completion.size_bytes
+        state.rdma_link = self.link_for(
+            state.prefill_worker, state.decode_worker, "rdma", nbytes, self.layers
+        )
+        self.cluster.send(state.decode_worker, Take(state.rid, attempt.wire_rid))
+        if state.stage in ("prefill", "transfer"):
+            state.stage = "decode"
+        self._expect(state, SERIAL, "drain")
+        self._send(state, SERIAL, attempt.link)
+
+    def _release_slot(self, rid: int) -> None:
+        with contextlib.suppress(TopKVError):
+            self.orch.release_decode_slot(rid)
 
     def _wire(self, state: _Request, tag: str) -> int:
-        return state.rid * 4 + _TAG_INDEX[tag]
+        wire = state.wires.get(tag)
+        if wire is None:
+            wire = state.wires[tag] = self.executor.new_wire()
+        return wire
 
     def _expect(self, state: _Request, tag: str, kind: str) -> None:
         link = state.rdma_link if tag == REPLAY else state.link
@@ -330,9 +465,7 @@ class DemoRun:
             ),
         )
 
-    def _send(
-        self, state: _Request, tag: str, link: LinkChoice, first_token_to: str | None = None
-    ) -> None:
+    def _send(self, state: _Request, tag: str, link: LinkChoice) -> None:
         self.cluster.send(
             state.prefill_worker,
             Send(
@@ -342,8 +475,7 @@ class DemoRun:
                 medium=link.medium,
                 destination=self.addresses[state.decode_worker][link.medium],
                 link=LinkSpec(link.mode, link.bandwidth_gbps, link.setup_s, self.options.dilation),
-                schedule="stream" if tag == STREAM else tag,  # type: ignore[arg-type]
-                first_token_to=first_token_to,
+                schedule="serial" if tag == SERIAL else "replay",
                 timeout_s=self.options.request_timeout_s,
             ),
         )
@@ -353,11 +485,19 @@ class DemoRun:
             for worker_id, rid in self._busy.items():
                 if rid == event.rid and worker_id == event.worker_id:
                     self._busy[worker_id] = None
-            if event.rid in self.states:
-                self.states[event.rid].fail(f"{event.worker_id}: {event.message}")
-                self._finish_transfers(self.states[event.rid])
+            failed = self.states.get(event.rid)
+            if failed is not None:
+                failed.fail(f"{event.worker_id}: {event.message}")
+                self._finish_transfers(failed)
+                record = self.orch.transfers.get(event.rid)
+                if record is not None and not record.terminal:
+                    task = asyncio.get_running_loop().create_task(self.orch.abort(event.rid))
+                    self._aborts.add(task)
+                    task.add_done_callback(self._aborts.discard)
                 return
             raise DemoError(f"{event.worker_id}: {event.message}")
+        if isinstance(event, Held) or (isinstance(event, SendDone) and event.tag == STREAM):
+            return  # the executor's: one attempt of the relay's transfer
         state = self.states.get(event.rid) if hasattr(event, "rid") else None
         if state is None:
             return
@@ -371,17 +511,11 @@ class DemoRun:
             if event.error is not None:
                 state.fail(f"{event.tag} send: {event.error}")
                 self._finish_transfers(state)
-            elif event.tag == STREAM:
-                if state.stage in ("prefill", "transfer"):
-                    state.stage = "decode"
-                self._expect(state, SERIAL, "drain")
-                assert state.link is not None
-                self._send(state, SERIAL, state.link)
             else:
                 self._advance(state)
         elif isinstance(event, Decoded):
             state.decoded = event
-            self.router.release(state.decode_worker)
+            self._release_slot(state.rid)
             if event.error is not None:
                 state.fail(f"decode: {event.error}")
             self._advance(state)
@@ -413,8 +547,10 @@ class DemoRun:
             self._finish_transfers(state)
 
     def _finish_transfers(self, state: _Request) -> None:
-        if state.prefill_worker:
-            self.cluster.send(state.prefill_worker, Release(state.rid))
+        """The baselines are done with the request's KV (the relay releases its own hold)."""
+        if state.prefill_worker and not state.baselines_released:
+            state.baselines_released = True
+            self.cluster.send(state.prefill_worker, Release(state.rid, "baselines"))
         if state.stage != "failed":
             state.stage = "transferred"
 
@@ -486,6 +622,7 @@ class DemoRun:
         nbytes = request.prompt_len * self.layer_bytes_per_token * self.layers
         nan = math.nan
         figures = dict(
+            queue_ms=nan, decode_ms=nan,
             prefill_ms=nan, transfer_ms=nan, exposed_ms=nan, modelled_exposed_ms=nan,
             serial_ms=nan, ttft_ms=nan, uniform_rdma_exposed_ms=nan, uniform_rdma_ttft_ms=nan,
         )  # fmt: skip
@@ -511,6 +648,8 @@ class DemoRun:
             prompt_len=request.prompt_len,
             trace_prompt_tokens=request.trace_prompt_tokens,
             bytes=nbytes,
+            arrival_ms=request.arrival_s * 1e3,
+            attempts=state.attempts,
             tokens_identical=bool(identical),
             emulated=True,
             dilation=self.options.dilation,
@@ -540,6 +679,8 @@ class DemoRun:
             rdma_exposed = exposed
         ms = 1e3
         return {
+            "queue_ms": (prefill.started_s - state.arrival_s) * ms,
+            "decode_ms": (decoded.decode_end_s - decoded.decode_start_s) * ms,
             "prefill_ms": (prefill_end - prefill.forward_start_s) * ms,
             "transfer_ms": (measure.last_landed(decoded.arrivals_s) - stream.offered_s[0]) * ms,
             "exposed_ms": exposed * ms,

@@ -72,8 +72,11 @@ def two_node_cluster(fixture: Path) -> Cluster:
     return Cluster.replicate(node, 2)
 
 
-def worker_info(placement: Placement, cluster: Cluster, address: str = "") -> WorkerInfo:
-    """The registry record of a demo worker on its emulated GPU."""
+def worker_info(
+    placement: Placement, cluster: Cluster, address: str = "", capacity: int = 1
+) -> WorkerInfo:
+    """The registry record of a demo worker on its emulated GPU (``capacity``: decode
+    slots, which the relay's routing counts)."""
     gpu = cluster.gpu(placement.node, placement.gpu)
     nics = cluster.nearest_nics(placement.node, placement.gpu)
     return WorkerInfo(
@@ -87,6 +90,7 @@ def worker_info(placement: Placement, cluster: Cluster, address: str = "") -> Wo
             nvlink=gpu.nvlink_domain is not None, rdma=bool(nics), tcp=True, shm=True
         ),
         address=address,
+        capacity=capacity,
     )
 
 

@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -28,11 +28,14 @@ import numpy as np
 
 from topkv.demo.pacing import PacedLink, PacedSource
 from topkv.demo.protocol import (
+    CancelSend,
     Decoded,
+    Discard,
     Event,
     Expect,
     Failed,
     FirstToken,
+    Held,
     Prefill,
     PrefillDone,
     Ready,
@@ -43,8 +46,10 @@ from topkv.demo.protocol import (
     Send,
     SendDone,
     Stop,
+    Take,
     WorkerConfig,
 )
+from topkv.relay.executor import classify_failure, kv_digest
 from topkv.transport.base import (
     KVLayout,
     LayerTensors,
@@ -54,14 +59,25 @@ from topkv.transport.base import (
     TransferSink,
     TransferSource,
 )
+from topkv.wire import crc64
 
 Outbox = Any  # multiprocessing queues are not generic at runtime
-_WIRE_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+WIRE_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 now = time.perf_counter
 
 
 def _short(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
+
+
+def _failure(exc: BaseException) -> str:
+    """The relay's failure kind of ``exc`` (decides retry, failover or reroute)."""
+    return classify_failure(exc).value
+
+
+def layers_digest(layers: Sequence[Sequence[memoryview | np.ndarray]]) -> int:
+    """:func:`topkv.relay.executor.kv_digest` of a KV cache (K, V per layer, in order)."""
+    return kv_digest([crc64(t if isinstance(t, memoryview) else t.data) for p in layers for t in p])
 
 
 def _alive(pid: int) -> bool:
@@ -104,7 +120,7 @@ class _Model:
         self.spec = engine.kv_model_spec(self.loaded)
         self.vocab = int(self.loaded.config.vocab_size)
         self.engine = engine
-        if self.spec["dtype"] not in _WIRE_DTYPES:
+        if self.spec["dtype"] not in WIRE_DTYPES:
             raise ValueError(f"KV dtype {self.spec['dtype']} cannot go on the wire")
 
     def prompt(self, length: int, seed: int) -> list[int]:
@@ -116,7 +132,7 @@ class _Model:
             seq_len=prompt_len,
             kv_heads=self.spec["kv_heads"],
             head_dim=self.spec["head_dim"],
-            dtype=_WIRE_DTYPES[self.spec["dtype"]],
+            dtype=WIRE_DTYPES[self.spec["dtype"]],
         )
 
     def ready_event(self, worker_id: str, addresses: dict[str, str]) -> Ready:
@@ -171,6 +187,7 @@ class _HeldKV:
     """One request's KV as prefill publishes it; held until the main process releases it."""
 
     request: Prefill
+    holders: set[str] = field(default_factory=set)
     layers: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
     ready_s: list[float] = field(default_factory=list)
     forward_start_s: float = 0.0
@@ -178,7 +195,7 @@ class _HeldKV:
     error: str | None = None
     first_token: int | None = None
     first_token_to: str | None = None
-    first_token_sent: bool = False
+    first_token_sent_to: set[str] = field(default_factory=set)
     streams: list[_Stream] = field(default_factory=list)
     cond: threading.Condition = field(default_factory=threading.Condition)
 
@@ -215,6 +232,7 @@ class PrefillWorker:
             "tcp": TcpSource(config.secret, io_timeout=timeout, ack_timeout=timeout),
         }
         self.held: dict[int, _HeldKV] = {}
+        self.outgoing: dict[int, OutgoingTransfer] = {}
         self.lock = threading.Lock()
         self.jobs: queue.SimpleQueue[Prefill | Reference | None] = queue.SimpleQueue()
 
@@ -229,15 +247,24 @@ class PrefillWorker:
         """Control thread: dispatch one inbox message."""
         if isinstance(message, Prefill):
             with self.lock:
-                self.held[message.rid] = _HeldKV(message)
+                self.held[message.rid] = _HeldKV(message, set(message.holders))
             self.jobs.put(message)
         elif isinstance(message, Send):
             threading.Thread(
                 target=self._send, args=(message,), name=f"send-{message.rid}", daemon=True
             ).start()
+        elif isinstance(message, CancelSend):
+            with self.lock:
+                out = self.outgoing.get(message.wire_rid)
+            if out is not None:
+                out.cancel()
         elif isinstance(message, Release):
             with self.lock:
-                self.held.pop(message.rid, None)
+                entry = self.held.get(message.rid)
+                if entry is not None:
+                    entry.holders.discard(message.holder)
+                    if not entry.holders:
+                        del self.held[message.rid]
         elif isinstance(message, Reference):
             self.jobs.put(message)
 
@@ -278,6 +305,7 @@ class PrefillWorker:
                 entry.first_token = result.first_token
                 entry.cond.notify_all()
             self._forward_first_token(entry)
+            digest = layers_digest(entry.layers)
             self.outbox.put(
                 PrefillDone(
                     worker_id=self.config.worker_id,
@@ -288,6 +316,7 @@ class PrefillWorker:
                     forward_end_s=result.forward_end_s,
                     layer_ready_s=tuple(entry.ready_s),
                     layer_compute_s=tuple(result.layer_compute_s),
+                    digest=digest,
                 )
             )
 
@@ -311,9 +340,9 @@ class PrefillWorker:
         """Hand prefill's first token straight to the decode worker (once both are known)."""
         with entry.cond:
             target, token = entry.first_token_to, entry.first_token
-            if target is None or token is None or entry.first_token_sent:
+            if target is None or token is None or target in entry.first_token_sent_to:
                 return
-            entry.first_token_sent = True
+            entry.first_token_sent_to.add(target)
         self.peers[target].put(FirstToken(entry.request.rid, token, now()))
 
     def _send(self, cmd: Send) -> None:
@@ -323,7 +352,8 @@ class PrefillWorker:
             self.outbox.put(
                 SendDone(
                     self.config.worker_id, cmd.rid, cmd.tag, 0.0, 0.0, (), (), 0, cmd.medium,
-                    cmd.link is not None, 1.0, error=_short(exc),
+                    cmd.link is not None, 1.0, error=_short(exc), wire_rid=cmd.wire_rid,
+                    failure=_failure(exc),
                 )
             )  # fmt: skip
 
@@ -346,6 +376,8 @@ class PrefillWorker:
             entry.wait(lambda: entry.done, cmd.timeout_s)
         start = now()
         out = source.open(descriptor, cmd.destination)
+        with self.lock:
+            self.outgoing[cmd.wire_rid] = out
         offered: dict[int, float] = {}
         try:
             if cmd.schedule == "stream":
@@ -363,6 +395,9 @@ class PrefillWorker:
         except BaseException:
             out.cancel()
             raise
+        finally:
+            with self.lock:
+                self.outgoing.pop(cmd.wire_rid, None)
         end = now()
         handed = (
             tuple(paced_out[i] for i in range(layout.num_layers))
@@ -381,6 +416,7 @@ class PrefillWorker:
             transport=source.name,
             emulated=result.emulated,
             dilation=result.dilation,
+            wire_rid=cmd.wire_rid,
         )
 
 
@@ -389,12 +425,15 @@ class PrefillWorker:
 
 @dataclass
 class _DecodeJob:
+    """One incoming copy for decode: held once verified, decoded once taken."""
+
     expect: Expect
     kv: ReceivedKV | None = None
     kv_error: str | None = None
     kv_verified_s: float = 0.0
-    first_token: int | None = None
-    first_token_s: float = 0.0
+    arrivals_s: tuple[float, ...] = ()
+    taken: bool = False
+    discarded: bool = False
     queued: bool = False
 
 
@@ -413,12 +452,17 @@ class DecodeWorker:
             "shm": ShmSink(config.secret, on_layer=self._landed, io_timeout=timeout),
             "tcp": TcpSink(config.secret, on_layer=self._landed, io_timeout=timeout),
         }
-        self.jobs: dict[int, _DecodeJob] = {}
-        self.early_tokens: dict[int, FirstToken] = {}
+        self.jobs: dict[int, _DecodeJob] = {}  # by wire id
+        self.first_tokens: dict[int, tuple[int, float]] = {}  # rid -> (token, stamp)
         self.ready_jobs: queue.PriorityQueue[tuple[int, int, object]] = queue.PriorityQueue()
         self.order = itertools.count()
 
     def close(self) -> None:
+        with self.lock:
+            jobs, self.jobs = list(self.jobs.values()), {}
+        for job in jobs:
+            if job.kv is not None:
+                job.kv.release()
         for sink in self.sinks.values():
             sink.close()
 
@@ -444,15 +488,44 @@ class DecodeWorker:
                 return
             job = _DecodeJob(message)
             with self.lock:
-                self.jobs[message.rid] = job
-                early = self.early_tokens.pop(message.rid, None)
-            if early is not None:
-                self._first_token(early)
+                self.jobs[message.wire_rid] = job
             future.add_done_callback(partial(self._kv_arrived, job))
         elif isinstance(message, FirstToken):
-            self._first_token(message)
+            with self.lock:
+                self.first_tokens[message.rid] = (message.token, now())
+                jobs = [j for j in self.jobs.values() if j.expect.rid == message.rid]
+            for job in jobs:
+                self._maybe_queue(job)
+        elif isinstance(message, Take):
+            with self.lock:
+                taken = self.jobs.get(message.wire_rid)
+                if taken is not None:
+                    taken.taken = True
+            if taken is None:
+                raise KeyError(f"no copy {message.wire_rid} of request {message.rid} held")
+            self._maybe_queue(taken)
+        elif isinstance(message, Discard):
+            self._discard(message)
         elif isinstance(message, Reference):
             self.ready_jobs.put((1, next(self.order), message))
+
+    def _discard(self, message: Discard) -> None:
+        """Drop the matching copies now, or as soon as they finish arriving."""
+        release: list[ReceivedKV] = []
+        with self.lock:
+            for wire, job in list(self.jobs.items()):
+                if job.expect.rid != message.rid or job.queued:
+                    continue
+                if message.wire_rid is not None and wire != message.wire_rid:
+                    continue
+                job.discarded = True
+                if job.kv is not None or job.kv_error is not None:
+                    del self.jobs[wire]
+                    if job.kv is not None:
+                        release.append(job.kv)
+                        job.kv = None
+        for kv in release:
+            kv.release()
 
     def _drained(self, expect: Expect, future: Any) -> None:
         verified = now()
@@ -467,32 +540,39 @@ class DecodeWorker:
         )
 
     def _kv_arrived(self, job: _DecodeJob, future: Any) -> None:
+        """A copy landed (or failed): digest it, hold it, and tell the main process."""
         stamp = now()
         kv: ReceivedKV | None = None
         error: str | None = None
+        failure: str | None = None
+        digest = 0
         try:
             kv = future.result()
+            digest = layers_digest(kv.layers)
         except Exception as exc:
-            error = _short(exc)
+            error, failure = _short(exc), _failure(exc)
+        arrivals = self._take_arrivals(job.expect.wire_rid, self.model.spec["layers"])
         with self.lock:
             job.kv, job.kv_error, job.kv_verified_s = kv, error, stamp
-        self._maybe_queue(job)
-
-    def _first_token(self, message: FirstToken) -> None:
-        stamp = now()
-        with self.lock:
-            job = self.jobs.get(message.rid)
-            if job is None:
-                self.early_tokens[message.rid] = message
-                return
-            job.first_token, job.first_token_s = message.token, stamp
-        self._maybe_queue(job)
+            job.arrivals_s = arrivals
+            drop = job.discarded or error is not None
+            if drop:
+                self.jobs.pop(job.expect.wire_rid, None)
+                job.kv = None
+        if drop and kv is not None:
+            kv.release()
+        if job.discarded:
+            return
+        self.outbox.put(
+            Held(
+                self.config.worker_id, job.expect.rid, job.expect.wire_rid, digest, arrivals,
+                stamp, error, failure,
+            )
+        )  # fmt: skip
 
     def _maybe_queue(self, job: _DecodeJob) -> None:
         with self.lock:
-            ready = (job.kv is not None or job.kv_error is not None) and (
-                job.first_token is not None or job.kv_error is not None
-            )
+            ready = job.kv is not None and job.taken and job.expect.rid in self.first_tokens
             if not ready or job.queued:
                 return
             job.queued = True
@@ -512,9 +592,9 @@ class DecodeWorker:
                 continue
             assert isinstance(job, _DecodeJob)
             expect = job.expect
-            arrivals = self._take_arrivals(expect.wire_rid, self.model.spec["layers"])
             with self.lock:
-                self.jobs.pop(expect.rid, None)
+                self.jobs.pop(expect.wire_rid, None)
+                first_token, first_token_s = self.first_tokens.pop(expect.rid)
             start = now()
             tokens: list[int] = []
             error = job.kv_error
@@ -524,9 +604,8 @@ class DecodeWorker:
                         arrays_from_bytes(self.model.spec, expect.prompt_len, k, v)
                         for k, v in job.kv.layers
                     ]
-                    assert job.first_token is not None
                     tokens = decoder.generate(
-                        layers, job.first_token, expect.prompt_len, expect.max_new_tokens
+                        layers, first_token, expect.prompt_len, expect.max_new_tokens
                     )
                 except Exception as exc:
                     error = _short(exc)
@@ -537,9 +616,9 @@ class DecodeWorker:
                     worker_id=self.config.worker_id,
                     rid=expect.rid,
                     tokens=tuple(tokens),
-                    arrivals_s=arrivals,
+                    arrivals_s=job.arrivals_s,
                     kv_verified_s=job.kv_verified_s,
-                    first_token_s=job.first_token_s,
+                    first_token_s=first_token_s,
                     decode_start_s=start,
                     decode_end_s=now(),
                     error=error,

@@ -396,6 +396,7 @@ class Orchestrator:
         block: bool = True,
         timeout_s: float | None = None,
         source_digest: int | None = None,
+        defer_digest: bool = False,
         manual_override: str | None = None,
     ) -> TransferRecord:
         """Accept a prefilled request's KV for transfer; returns once it is queued.
@@ -406,7 +407,15 @@ class Orchestrator:
         ``config.submit_timeout_s``) and then raises :class:`QueueFull`; without it a full
         queue raises :class:`QueueFull` at once. ``source_digest``: the KV's
         :func:`~topkv.relay.executor.kv_digest` if the caller has it (else the executor
-        is asked). ``manual_override`` forces a transport (Algorithm 1's override).
+        is asked before routing).
+
+        ``defer_digest``: the source is still *producing* the KV (prefill publishing layer
+        by layer). Routing, transport selection and the first attempt start at once, so
+        each layer can go out as it is computed; the executor's ``source_digest`` is
+        awaited only when a copy has landed (after the last layer), and compared as
+        usual. Retries, failovers and reroutes are unchanged: each attempt re-sends from
+        the layers the source holds (and those it has yet to produce).
+        ``manual_override`` forces a transport (Algorithm 1's override).
         """
         queue = self._require_running()
         info = self.view.get(source)
@@ -423,6 +432,7 @@ class Orchestrator:
             submitted_at=now,
             source_digest=source_digest,
         )
+        record.digest_deferred = defer_digest and source_digest is None
         record.manual_override = manual_override
         self.transfers.add(record)  # raises DuplicateRequest
         try:
@@ -612,7 +622,7 @@ class Orchestrator:
         source = self.view.get(record.source)
         if source is None:
             raise _Exhausted(FailureKind.SOURCE_LOST, f"source {record.source} left")
-        if record.source_digest is None:
+        if record.source_digest is None and not record.digest_deferred:
             record.source_digest = await self._executor_call(
                 self.executor.source_digest(source, record.request_id, record.layout),
                 FailureKind.SOURCE_LOST,
@@ -878,6 +888,14 @@ class Orchestrator:
         delivery: Delivery,
     ) -> tuple[FailureKind | None, str]:
         self.transfers.move(record, TransferState.VERIFYING)
+        if record.source_digest is None:
+            # Deferred (streaming): the source finished producing the KV by now. Fetched
+            # once; a retry compares against the same value. Failing here (source lost,
+            # timeout) ends the transfer; cleanup discards the copy (state is verifying).
+            record.source_digest = await self._executor_call(
+                self.executor.source_digest(source, record.request_id, record.layout),
+                FailureKind.SOURCE_LOST,
+            )
         if delivery.digest != record.source_digest:
             await self._discard(destination, record.request_id)
             detail = (

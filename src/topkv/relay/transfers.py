@@ -130,6 +130,9 @@ class TransferRecord:
     policy: str = ""
     rationale: str = ""
     source_digest: int | None = None
+    #: The source is still producing the KV (layer-by-layer streaming): routing and the
+    #: first attempt start at once, and the source's digest is fetched at verification.
+    digest_deferred: bool = False
     manual_override: str | None = None
     attempts: list[AttemptRecord] = field(default_factory=list)
     retries: int = 0
