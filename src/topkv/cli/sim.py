@@ -44,6 +44,14 @@ def sim_command(
     slo_tpot_ms: float = typer.Option(100.0, "--slo-tpot-ms", help="Goodput TPOT SLO."),
     jitter_s: float = typer.Option(3.0, "--jitter-s", help="Mooncake timestamp jitter."),
     seed: int = typer.Option(0, "--seed", help="Random seed (jitter, ServeGen)."),
+    servegen_start_s: float | None = typer.Option(
+        None,
+        "--servegen-start-s",
+        help="ServeGen: window start in the rate files (default: first active window).",
+    ),
+    servegen_duration_s: float = typer.Option(
+        600.0, "--servegen-duration-s", help="ServeGen: seconds of the rate files to replay."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
     report: Path | None = typer.Option(None, "--report", help="Write PNG plots and HTML."),
 ) -> None:
@@ -56,7 +64,14 @@ def sim_command(
         raise ConfigError(f"--pipelining {pipelining!r}: use on, off or both")
     spec = load_hf_config(config) if config is not None else get_model(model)
     cluster_spec = load_cluster_spec(cluster)
-    workload = load_trace(trace, jitter_s=jitter_s, seed=seed, servegen=ServeGenOptions(seed=seed))
+    workload = load_trace(
+        trace,
+        jitter_s=jitter_s,
+        seed=seed,
+        servegen=ServeGenOptions(
+            start_s=servegen_start_s, duration_s=servegen_duration_s, seed=seed
+        ),
+    )
     if limit is not None:
         workload = head(workload, limit)
     workload = scale_rate(workload, rate_scale)

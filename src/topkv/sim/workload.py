@@ -169,7 +169,7 @@ def read_mooncake_jsonl(path: Path, jitter_s: float = 3.0, seed: int = 0) -> Wor
 class ServeGenOptions:
     """Which part of the (two-week) rate files to turn into requests, and lengths."""
 
-    start_s: float = 0.0
+    start_s: float | None = None  # None: the first window in which any client sends
     duration_s: float = 600.0
     input_median: int = 1024
     input_sigma: float = 1.0
@@ -194,21 +194,25 @@ def read_servegen(path: Path, options: ServeGenOptions | None = None) -> Workloa
     if opts.duration_s <= 0:
         raise SimError(f"ServeGen duration must be > 0 s, got {opts.duration_s}")
     rng = np.random.default_rng(opts.seed)
-    end_s = opts.start_s + opts.duration_s
+    per_file = [_servegen_windows(file) for file in _servegen_files(path)]
+    start_s = opts.start_s
+    if start_s is None:
+        active = [w[0] for windows in per_file for w in windows if w[1] > 0]
+        start_s = min(active) if active else 0.0
+    end_s = start_s + opts.duration_s
     arrivals: list[np.ndarray] = []
-    for file in _servegen_files(path):
-        windows = _servegen_windows(file)
+    for windows in per_file:
         for i, (start, rate, dist, shape) in enumerate(windows):
             stop = windows[i + 1][0] if i + 1 < len(windows) else start + _default_window(windows)
-            lo, hi = max(start, opts.start_s), min(stop, end_s)
+            lo, hi = max(start, start_s), min(stop, end_s)
             if rate <= 0 or hi <= lo:
                 continue
             arrivals.append(_renewal_arrivals(rng, dist, shape, rate, start, stop, lo, hi))
     times = np.sort(np.concatenate(arrivals)) if arrivals else np.empty(0)
     if times.size == 0:
         raise SimError(
-            f"{path}: no requests between {opts.start_s:g} s and {end_s:g} s "
-            "(choose another window)"
+            f"{path}: no requests between {start_s:g} s and {end_s:g} s "
+            "(choose another window with --servegen-start-s)"
         )
     n = times.size
     inp = _lognormal_tokens(rng, opts.input_median, opts.input_sigma, n, opts.max_tokens)
