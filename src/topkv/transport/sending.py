@@ -17,6 +17,7 @@ class LayerItem:
     layer: int
     tensors: tuple[memoryview, ...]
     crcs: tuple[int, ...] | None
+    ahead: bool = False  # CRCs computed by the transport's look-ahead checksum stage
 
 
 def as_bytes_view(buffer: Buffer) -> memoryview:
