@@ -26,6 +26,12 @@ KEYS = {
     "ttft_ms",
     "tokens_identical",
     "emulated",
+    "arrival_ms",
+    "prompt_len",
+    "prefill_worker",
+    "decode_worker",
+    "queue_ms",
+    "decode_ms",
 }
 REPO = Path(__file__).resolve().parents[2]
 SHM = Path("/dev/shm")
@@ -67,7 +73,10 @@ def test_small_demo_run_reports_every_request_identical() -> None:
             process.kill()
     assert process.returncode == 0, stderr[-2000:]
     report = json.loads(stdout)
-    assert set(report) == {"requests", "summary"}
+    assert set(report) == {"requests", "summary", "options"}
+    assert report["options"] == {
+        "requests": 4, "seed": 0, "speedup": 4.0, "dilation": 1000.0, "new_tokens": 8,
+    }  # fmt: skip
     requests = report["requests"]
     assert [r["id"] for r in requests] == [0, 1, 2, 3]
     for row in requests:
@@ -78,6 +87,14 @@ def test_small_demo_run_reports_every_request_identical() -> None:
         assert row["bytes"] > 0 and row["prefill_ms"] > 0 and row["ttft_ms"] > 0
         assert row["exposed_ms"] >= 0 and row["modelled_exposed_ms"] >= 0
         assert row["transfer_ms"] >= row["exposed_ms"]
+        # routed by the relay orchestrator: a prefill worker to a decode worker
+        assert row["prefill_worker"] in {"prefill0", "prefill1"}
+        assert row["decode_worker"] in {"decode0", "decode1"}
+        assert row["prompt_len"] >= 128 and row["arrival_ms"] >= 0
+        assert row["queue_ms"] >= 0 and row["decode_ms"] > 0
+        assert row["ttft_ms"] >= row["queue_ms"] + row["prefill_ms"]
+    arrivals = [r["arrival_ms"] for r in requests]
+    assert arrivals == sorted(arrivals)
     summary = report["summary"]
     assert summary["all_tokens_identical"] is True
     assert summary["tokens_identical"] == 4

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from topkv.demo.errors import DemoError
-from topkv.demo.pacing import PacedLink, PacedSource
+from topkv.demo.pacing import PacedLink, PacedSource, _PacedOutgoing
 from topkv.transport.base import KVLayout, TransferDescriptor
 from topkv.transport.shm import ShmSink, ShmSource
 
@@ -38,6 +38,7 @@ def test_layers_leave_no_earlier_than_the_link_schedule() -> None:
     finally:
         inner.close()
         sink.close()
+    assert isinstance(out, _PacedOutgoing)
     handed = out.handed_to_medium
     due = -float("inf")
     for layer, at in enumerate(offered):

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -200,6 +201,7 @@ class DemoRun:
         self._links: dict[tuple[str, str, str], LinkChoice] = {}
         self._pump_error: BaseException | None = None
         self._aborts: set[asyncio.Task[object]] = set()
+        self._finished: dict[int, tuple[str, RequestResult]] = {}
         self.attempts_total = 0
 
     # -- public ----------------------------------------------------------------------------
@@ -291,6 +293,10 @@ class DemoRun:
             route_wait_s=timeout,
             submit_timeout_s=timeout,
         )
+        # The pump thread must get the GIL at once when an event arrives (the default 5 ms
+        # switch interval would hold handoffs back while the loop thread runs).
+        switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(0.0005)
         pump.start()
         try:
             async with Orchestrator(
@@ -307,6 +313,7 @@ class DemoRun:
         finally:
             stop.set()
             pump.join(2.0)
+            sys.setswitchinterval(switch_interval)
         self.attempts_total = self.executor.attempts
         if self._pump_error is not None:
             raise self._pump_error
@@ -609,7 +616,11 @@ class DemoRun:
             if state.link is not None:
                 by_transport[state.link.mode] = by_transport.get(state.link.mode, 0) + 1
             if state.stage in ("transferred", "done") and state.decoded is not None:
-                finished.append(self._result(state))
+                # Computed once per stage: the event loop must stay free for handoffs.
+                cached = self._finished.get(state.rid)
+                if cached is None or cached[0] != state.stage:
+                    cached = self._finished[state.rid] = (state.stage, self._result(state))
+                finished.append(cached[1])
         self.on_progress(
             Progress(
                 self.phase, t - self.started_s, len(self.states), stages, by_transport, finished
