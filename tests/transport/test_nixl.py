@@ -1,131 +1,25 @@
 """NIXL-backed transport between two real processes in a private network namespace.
 
 Skips cleanly when the optional ``nixl-cu12`` package (scripts/install-peers.sh) or network
-namespaces are unavailable. Each case starts a sink process and a sender process that share
-one loopback-only namespace, so UCX's every-interface listeners stay private.
+namespaces are unavailable. The cases themselves live in engine_harness.py, shared with the
+Mooncake TE engine.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterator
-
 import pytest
+from engine_harness import PeerEngineCases
 
-from topkv.transport.backends import (
-    PrivateNetns,
-    expected_digest,
-    missing_package,
-    netns_available,
-    spawn_sender,
-    spawn_sink,
-)
-from topkv.transport.base import KVLayout
+from topkv.transport.backends import missing_package, netns_available
 
-TRANSPORT = "nixl"
-SECRET = b"nixl-test-secret"
-LAYOUTS = [
-    KVLayout(4, 64, 4, 64, "fp16"),
-    KVLayout(3, 33, 2, 128, "fp32"),
-    KVLayout(5, 100, 1, 576, "bf16", latent=True),
-    KVLayout(2, 128, 8, 64, "fp8"),
-]
-_why_not = missing_package(TRANSPORT) or netns_available()
+_why_not = missing_package("nixl") or netns_available()
 pytestmark = pytest.mark.skipif(_why_not is not None, reason=str(_why_not))
 
 
-@pytest.fixture
-def netns() -> Iterator[PrivateNetns]:
-    with PrivateNetns() as ns:
-        yield ns
-
-
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize("options", [{}, {"ucx_tls": "tcp"}], ids=["ucx-default", "ucx-tcp"])
-def test_moves_random_kv_of_several_shapes_bit_exactly(
-    netns: PrivateNetns, options: dict[str, str]
-) -> None:
-    sink, address = spawn_sink(
-        netns, TRANSPORT, SECRET, first=10, count=len(LAYOUTS), options=options
+class TestNixl(PeerEngineCases):
+    transport = "nixl"
+    secret = b"nixl-test-secret"
+    option_sets = (
+        pytest.param({}, id="ucx-default"),
+        pytest.param({"ucx_tls": "tcp"}, id="ucx-tcp"),
     )
-    try:
-        for index, layout in enumerate(LAYOUTS):
-            seed = 10 + index
-            sender = spawn_sender(netns, TRANSPORT, address, SECRET, seed, layout, options=options)
-            try:
-                sent = sender.record(60)
-                got = sink.record(60)
-            finally:
-                sender.stop()
-            assert sent["ok"] is True, sent
-            assert got == {
-                "rid": seed,
-                "ok": True,
-                "sha256": expected_digest(layout.total_bytes, seed),
-            }
-    finally:
-        sink.stop()
-
-
-@pytest.mark.timeout(120)
-def test_corruption_is_caught_by_crc64_on_both_sides(netns: PrivateNetns) -> None:
-    sink, address = spawn_sink(netns, TRANSPORT, SECRET, first=5)
-    sender = spawn_sender(netns, TRANSPORT, address, SECRET, 5, LAYOUTS[0], mode="corrupt")
-    try:
-        got = sink.record(60)
-        sent = sender.record(60)
-    finally:
-        sender.stop()
-        sink.stop()
-    assert (got["ok"], got["error"]) == (False, "ChecksumMismatch")
-    assert "CRC-64" in got["message"]
-    assert (sent["ok"], sent["error"]) == (False, "ChecksumMismatch")
-
-
-@pytest.mark.timeout(120)
-def test_sender_killed_mid_transfer_fails_the_receiver_fast(netns: PrivateNetns) -> None:
-    sink, address = spawn_sink(netns, TRANSPORT, SECRET, first=9)
-    sender = spawn_sender(netns, TRANSPORT, address, SECRET, 9, LAYOUTS[0], mode="hang-after-2")
-    try:
-        sender.line("SENT2", 60)
-        sink.line("LAYER 9 1", 60)  # both layers landed and were verified
-        sender.stop()
-        start = time.monotonic()
-        got = sink.record(30)
-        assert time.monotonic() - start < 10
-    finally:
-        sink.stop()
-    assert (got["ok"], got["error"]) == (False, "PeerDied")
-    assert "2/4 layers" in got["message"]
-
-
-@pytest.mark.timeout(120)
-def test_receiver_killed_fails_the_sender_cleanly(netns: PrivateNetns) -> None:
-    sink, address = spawn_sink(netns, TRANSPORT, SECRET, first=3)
-    sender = spawn_sender(
-        netns, TRANSPORT, address, SECRET, 3, LAYOUTS[0], mode="wait-before-2", repeat=2
-    )
-    try:
-        assert sender.record(60)["ok"] is True
-        assert sink.record(60)["ok"] is True
-        sender.line("WAITING", 30)
-        sink.stop()
-        sender.tell()
-        start = time.monotonic()
-        sent = sender.record(30)
-        assert time.monotonic() - start < 10
-    finally:
-        sender.stop()
-    assert (sent["ok"], sent["error"]) == (False, "PeerDied")
-
-
-@pytest.mark.timeout(120)
-def test_a_sender_without_the_secret_is_refused(netns: PrivateNetns) -> None:
-    sink, address = spawn_sink(netns, TRANSPORT, SECRET, first=4)
-    sender = spawn_sender(netns, TRANSPORT, address, b"wrong-secret", 4, LAYOUTS[0])
-    try:
-        sent = sender.record(60)
-    finally:
-        sender.stop()
-        sink.stop()
-    assert (sent["ok"], sent["error"]) == (False, "AuthenticationFailed")
