@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from fuzzing import fuzz_arbitrary_text, fuzz_mutated_fixtures
 from hypothesis import strategies as st
 
 from topkv.topology.detect.errors import ParseError
@@ -311,26 +311,6 @@ ALL_TEXTS = [p.read_text() for p in sorted(FIXTURES.iterdir())]
 ALPHABET = st.sampled_from(list("abcdeflmnprstxACDILNPRSTX0123456789 \t\n:=/'\"()#-_.,>[]{}\x1b"))
 
 
-@st.composite
-def mutated_fixture(draw: st.DrawFn) -> str:
-    text = draw(st.sampled_from(ALL_TEXTS))
-    for _ in range(draw(st.integers(1, 4))):
-        i = draw(st.integers(0, len(text)))
-        j = draw(st.integers(i, min(len(text), i + 30)))
-        op = draw(st.sampled_from(["delete", "insert", "replace", "truncate", "duplicate"]))
-        if op == "delete":
-            text = text[:i] + text[j:]
-        elif op == "insert":
-            text = text[:i] + draw(st.text(ALPHABET, max_size=20)) + text[i:]
-        elif op == "replace":
-            text = text[:i] + draw(st.text(max_size=10)) + text[j:]
-        elif op == "truncate":
-            text = text[:i]
-        else:
-            text = text[:j] + text[i:j] + text[j:]
-    return text
-
-
 def _only_parse_errors(text: str) -> None:
     for parser in PARSERS:
         try:
@@ -340,13 +320,11 @@ def _only_parse_errors(text: str) -> None:
         assert all(isinstance(p, RdmaPort) for p in result)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.text(max_size=300) | st.text(ALPHABET, max_size=300))
+@fuzz_arbitrary_text(ALPHABET)
 def test_fuzz_arbitrary_text(text: str) -> None:
     _only_parse_errors(text)
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(mutated_fixture())
+@fuzz_mutated_fixtures(ALL_TEXTS, ALPHABET)
 def test_fuzz_mutated_fixtures(text: str) -> None:
     _only_parse_errors(text)
