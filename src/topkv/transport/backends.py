@@ -84,6 +84,7 @@ from topkv.transport.receiving import (
     read_message,
     status_for,
 )
+from topkv.transport.sending import check_layer
 from topkv.transport.sockio import recv_exactly, send_buffers
 
 log = logging.getLogger(__name__)
@@ -250,6 +251,53 @@ class HostArena:
         self.view.release()
         with contextlib.suppress(BufferError):
             self.map.close()  # views handed out and not yet dropped keep it mapped
+
+
+class HostSinkEngine(SinkEngine):
+    """A sink engine whose arena is a :class:`HostArena` (NIXL, Mooncake).
+
+    Subclasses start their engine, call ``super().__init__(capacity)``, register
+    ``self.arena`` with the engine and undo that registration in :meth:`deregister`.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.arena = HostArena(capacity)
+        self._closed = False
+
+    def crc(self, offset: int, nbytes: int) -> int:
+        return self.arena.crc(offset, nbytes)
+
+    def carve(self, offset: int, descriptor: TransferDescriptor) -> list[LayerTensors]:
+        return self.arena.carve(offset, descriptor)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.deregister()
+        self.arena.close()
+
+    @abstractmethod
+    def deregister(self) -> None:
+        """Drop the engine's registration of the arena (once, before the arena is freed)."""
+
+
+class HostSourceEngine(SourceEngine):
+    """A source engine that writes host buffers (NIXL, Mooncake): checked as byte views."""
+
+    def check(
+        self,
+        descriptor: TransferDescriptor,
+        layer: int,
+        tensors: Sequence[Any],
+        crcs: Sequence[int] | None,
+    ) -> EngineLayer:
+        item = check_layer(descriptor, layer, tensors, crcs)
+        return EngineLayer(item.layer, item.tensors, item.crcs)
+
+    def crc(self, tensor: Any) -> int:
+        return framing.crc64(tensor)
 
 
 def buffer_address(view: memoryview) -> int:

@@ -25,10 +25,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from topkv.transport import backends, framing
-from topkv.transport.backends import EngineLayer, EngineSink, EngineSource, HostArena
-from topkv.transport.base import LayerCallback, LayerTensors, TransferDescriptor, TransportMode
+from topkv.transport.backends import EngineSink, EngineSource
+from topkv.transport.base import LayerCallback, TransportMode
 from topkv.transport.errors import PeerDied, TransportError, TransportUnavailable
-from topkv.transport.sending import check_layer
 
 try:
     from mooncake.engine import TransferEngine
@@ -52,33 +51,21 @@ def _start_engine(host: str, protocol: str, device: str) -> Any:
     return engine
 
 
-class _MooncakeSinkEngine(backends.SinkEngine):
+class _MooncakeSinkEngine(backends.HostSinkEngine):
     def __init__(self, capacity: int, host: str, protocol: str, device: str) -> None:
-        self.capacity = capacity
         self.host = host
         self.engine = _start_engine(host, protocol, device)
-        self.arena = HostArena(capacity)
+        super().__init__(capacity)
         status = self.engine.register_memory(self.arena.address, capacity)
         if status != 0:
             raise TransportUnavailable(f"Mooncake could not register the arena (status {status})")
-        self._closed = False
 
     def metadata(self) -> bytes:
         port = self.engine.get_rpc_port()
         return backends.dumps_metadata({"rpc_port": port, "base": self.arena.address})
 
-    def crc(self, offset: int, nbytes: int) -> int:
-        return self.arena.crc(offset, nbytes)
-
-    def carve(self, offset: int, descriptor: TransferDescriptor) -> list[LayerTensors]:
-        return self.arena.carve(offset, descriptor)
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+    def deregister(self) -> None:
         self.engine.unregister_memory(self.arena.address)
-        self.arena.close()
 
 
 class _MooncakePeer:
@@ -87,23 +74,10 @@ class _MooncakePeer:
         self.base = base
 
 
-class _MooncakeSourceEngine(backends.SourceEngine):
+class _MooncakeSourceEngine(backends.HostSourceEngine):
     def __init__(self, host: str, protocol: str, device: str) -> None:
         self.engine = _start_engine(host, protocol, device)
         self._lock = threading.Lock()
-
-    def check(
-        self,
-        descriptor: TransferDescriptor,
-        layer: int,
-        tensors: Sequence[Any],
-        crcs: Sequence[int] | None,
-    ) -> EngineLayer:
-        item = check_layer(descriptor, layer, tensors, crcs)
-        return EngineLayer(item.layer, item.tensors, item.crcs)
-
-    def crc(self, tensor: Any) -> int:
-        return framing.crc64(tensor)
 
     def attach(self, metadata: bytes, host: str) -> _MooncakePeer:
         fields = backends.loads_metadata(metadata, ("rpc_port", "base"))

@@ -26,10 +26,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from topkv.transport import backends, framing
-from topkv.transport.backends import EngineLayer, EngineSink, EngineSource, HostArena
-from topkv.transport.base import LayerCallback, LayerTensors, TransferDescriptor, TransportMode
+from topkv.transport.backends import EngineSink, EngineSource
+from topkv.transport.base import LayerCallback, TransportMode
 from topkv.transport.errors import PeerDied, TransferTimeout, TransportError, TransportUnavailable
-from topkv.transport.sending import check_layer
 
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs INFO to stdout otherwise
 
@@ -59,32 +58,20 @@ def _make_agent(prefix: str, ucx_tls: str | None) -> Any:
     return agent
 
 
-class _NixlSinkEngine(backends.SinkEngine):
+class _NixlSinkEngine(backends.HostSinkEngine):
     def __init__(self, capacity: int, ucx_tls: str | None) -> None:
-        self.capacity = capacity
         self.agent = _make_agent("topkv-sink", ucx_tls)
-        self.arena = HostArena(capacity)
+        super().__init__(capacity)
         self._registered = self.agent.register_memory(
             [(self.arena.address, capacity, 0, "topkv-arena")], "DRAM"
         )
-        self._closed = False
 
     def metadata(self) -> bytes:
         fields = {"base": self.arena.address, "agent": self.agent.get_agent_metadata().hex()}
         return backends.dumps_metadata(fields)
 
-    def crc(self, offset: int, nbytes: int) -> int:
-        return self.arena.crc(offset, nbytes)
-
-    def carve(self, offset: int, descriptor: TransferDescriptor) -> list[LayerTensors]:
-        return self.arena.carve(offset, descriptor)
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+    def deregister(self) -> None:
         self.agent.deregister_memory(self._registered)
-        self.arena.close()
 
 
 class _NixlPeer:
@@ -93,23 +80,10 @@ class _NixlPeer:
         self.base = base
 
 
-class _NixlSourceEngine(backends.SourceEngine):
+class _NixlSourceEngine(backends.HostSourceEngine):
     def __init__(self, ucx_tls: str | None) -> None:
         self.agent = _make_agent("topkv-source", ucx_tls)
         self._lock = threading.Lock()
-
-    def check(
-        self,
-        descriptor: TransferDescriptor,
-        layer: int,
-        tensors: Sequence[Any],
-        crcs: Sequence[int] | None,
-    ) -> EngineLayer:
-        item = check_layer(descriptor, layer, tensors, crcs)
-        return EngineLayer(item.layer, item.tensors, item.crcs)
-
-    def crc(self, tensor: Any) -> int:
-        return framing.crc64(tensor)
 
     def attach(self, metadata: bytes, host: str) -> _NixlPeer:
         fields = backends.loads_metadata(metadata, ("base", "agent"))
