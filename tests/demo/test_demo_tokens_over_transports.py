@@ -17,7 +17,6 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from topkv.demo.pacing import PacedLink, PacedSource
 from topkv.engine import (
     DecodeRunner,
     DemoModelConfig,
@@ -36,6 +35,7 @@ from topkv.transport.base import (
     TransferDescriptor,
     TransferSink,
     TransferSource,
+    TransportMode,
 )
 from topkv.transport.emulated import EmulatedSource, LinkModel
 from topkv.transport.shm import ShmSink, ShmSource
@@ -65,13 +65,13 @@ def _emulated_rdma(secret: bytes) -> Pair:
 
 
 def _paced_nvlink_shm(secret: bytes) -> Pair:
-    link = PacedLink("nvlink", 450.0, 1e-6, dilation=2000.0)
-    return PacedSource(ShmSource(secret), link), ShmSink(secret)
+    link = LinkModel(TransportMode.NVLINK, 450.0, 1e-6)
+    return EmulatedSource(ShmSource(secret), link, dilation=2000.0), ShmSink(secret)
 
 
 def _paced_rdma_tcp(secret: bytes) -> Pair:
-    link = PacedLink("rdma", 25.0, 5e-6, dilation=200.0)
-    return PacedSource(TcpSource(secret), link), TcpSink(secret)
+    link = LinkModel(TransportMode.RDMA, 25.0, 5e-6)
+    return EmulatedSource(TcpSource(secret), link, dilation=200.0), TcpSink(secret)
 
 
 TRANSPORTS: dict[str, Callable[[bytes], Pair]] = {

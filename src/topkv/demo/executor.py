@@ -8,7 +8,7 @@ executor carries each attempt out with the demo's workers:
   ``decode``), then the prefill worker to *stream* it (:class:`Send` ``stream``): every
   layer already computed goes out at once and each later one as its forward-pass hook
   fires, over the medium under the chosen path (shm for same-node classes, tcp otherwise),
-  paced to that path (:mod:`topkv.demo.pacing`). The attempt ends when the prefill worker
+  paced to that path (:mod:`topkv.transport.emulated`). The attempt ends when the prefill worker
   saw the destination's acknowledgement (:class:`SendDone`) *and* the decode worker
   reported the verified copy it now holds with its digest (:class:`Held`). A retry sends
   again from the layers the prefill worker holds.

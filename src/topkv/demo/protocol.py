@@ -35,7 +35,7 @@ class WorkerConfig:
 
 @dataclass(frozen=True)
 class LinkSpec:
-    """The emulated path a transfer is paced to (see :mod:`topkv.demo.pacing`)."""
+    """The emulated path a transfer is paced to (see :mod:`topkv.transport.emulated`)."""
 
     mode: str
     bandwidth_gbps: float

@@ -6,7 +6,7 @@ paths (NVLink inside a node, RDMA through the nearest NICs across nodes) exactly
 on the real machines. All worker processes actually run on this host, so every path is
 *emulated*: the bytes move over shared memory (same-node paths) or TCP (cross-node paths),
 paced to the chosen path's bandwidth and setup latency, time-dilated (see
-:mod:`topkv.demo.pacing`).
+:mod:`topkv.transport.emulated`).
 """
 
 from __future__ import annotations

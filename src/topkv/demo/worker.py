@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from topkv.demo.pacing import PacedLink, PacedSource
+from topkv.demo.errors import DemoError
 from topkv.demo.protocol import (
     CancelSend,
     Decoded,
@@ -36,6 +36,7 @@ from topkv.demo.protocol import (
     Failed,
     FirstToken,
     Held,
+    LinkSpec,
     Prefill,
     PrefillDone,
     Ready,
@@ -58,7 +59,9 @@ from topkv.transport.base import (
     TransferDescriptor,
     TransferSink,
     TransferSource,
+    TransportMode,
 )
+from topkv.transport.emulated import EmulatedSource, LinkModel
 from topkv.wire import crc64
 
 Outbox = Any  # multiprocessing queues are not generic at runtime
@@ -68,6 +71,19 @@ now = time.perf_counter
 
 def _short(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
+
+
+def _paced(medium: TransferSource, link: LinkSpec) -> EmulatedSource:
+    """``medium`` paced to ``link``: one emulated link per transfer, each its own path.
+
+    The wrapper is dropped after the transfer, never closed: the medium is the worker's.
+    """
+    try:
+        mode = TransportMode(link.mode)
+    except ValueError:
+        raise DemoError(f"no transport mode {link.mode!r} to pace a link to") from None
+    model = LinkModel(mode, link.bandwidth_gbps, link.setup_s)
+    return EmulatedSource(medium, model, dilation=link.dilation)
 
 
 def _failure(exc: BaseException) -> str:
@@ -366,10 +382,7 @@ class PrefillWorker:
         medium = self.sources[cmd.medium]
         source: TransferSource = medium
         if cmd.link is not None:
-            link = cmd.link
-            source = PacedSource(
-                medium, PacedLink(link.mode, link.bandwidth_gbps, link.setup_s, link.dilation)
-            )
+            source = _paced(medium, cmd.link)
         layout = self.model.layout(entry.request.prompt_len)
         descriptor = TransferDescriptor(cmd.wire_rid, self.model.spec["model_id"], layout)
         if cmd.schedule != "stream":
