@@ -48,7 +48,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 from topkv import wire
 from topkv.transport import framing
@@ -347,6 +347,16 @@ class _Incoming:
     layers: list[LayerTensors]
     arrived: set[int] = field(default_factory=set)
     error: TransportError | None = None
+
+
+class EngineSinkOptions(TypedDict, total=False):
+    """Control-channel options every engine's sink passes on to :class:`EngineSink`."""
+
+    port: int
+    on_layer: LayerCallback | None
+    limits: framing.ReceiveLimits | None
+    io_timeout: float
+    verify: bool
 
 
 class EngineSink(TransferSink):
@@ -830,6 +840,14 @@ class _EngineOutgoing(OutgoingTransfer):
             conn.forget(rid)
             with conn.lock:
                 conn.outgoing.discard(self)
+
+
+class EngineSourceOptions(TypedDict, total=False):
+    """Control-channel options every engine's source passes on to :class:`EngineSource`."""
+
+    connect_timeout: float
+    io_timeout: float
+    ack_timeout: float
 
 
 class EngineSource(TransferSource):

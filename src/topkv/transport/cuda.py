@@ -38,11 +38,17 @@ import threading
 import time
 import warnings
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any, Unpack, cast
 
 from topkv.transport import backends, framing
-from topkv.transport.backends import EngineLayer, EngineSink, EngineSource
-from topkv.transport.base import LayerCallback, LayerTensors, TransferDescriptor, TransportMode
+from topkv.transport.backends import (
+    EngineLayer,
+    EngineSink,
+    EngineSinkOptions,
+    EngineSource,
+    EngineSourceOptions,
+)
+from topkv.transport.base import LayerTensors, TransferDescriptor, TransportMode
 from topkv.transport.errors import (
     FrameRejected,
     PeerDied,
@@ -329,24 +335,11 @@ class CudaSink(EngineSink):
         *,
         device: int = 0,
         host: str = "127.0.0.1",
-        port: int = 0,
         capacity_bytes: int = DEFAULT_ARENA_BYTES,
-        on_layer: LayerCallback | None = None,
-        limits: framing.ReceiveLimits | None = None,
-        io_timeout: float = 30.0,
-        verify: bool = True,
+        **options: Unpack[EngineSinkOptions],
     ) -> None:
-        super().__init__(
-            _CudaSinkEngine(capacity_bytes, device),
-            secret,
-            scheme="cuda",
-            host=host,
-            port=port,
-            on_layer=on_layer,
-            limits=limits,
-            io_timeout=io_timeout,
-            verify=verify,
-        )
+        engine = _CudaSinkEngine(capacity_bytes, device)
+        super().__init__(engine, secret, scheme="cuda", host=host, **options)
 
 
 class CudaSource(EngineSource):
@@ -355,19 +348,5 @@ class CudaSource(EngineSource):
     name = "cuda"
     mode = TransportMode.NVLINK
 
-    def __init__(
-        self,
-        secret: bytes,
-        *,
-        connect_timeout: float = 5.0,
-        io_timeout: float = 30.0,
-        ack_timeout: float = 30.0,
-    ) -> None:
-        super().__init__(
-            _CudaSourceEngine(),
-            secret,
-            scheme="cuda",
-            connect_timeout=connect_timeout,
-            io_timeout=io_timeout,
-            ack_timeout=ack_timeout,
-        )
+    def __init__(self, secret: bytes, **options: Unpack[EngineSourceOptions]) -> None:
+        super().__init__(_CudaSourceEngine(), secret, scheme="cuda", **options)

@@ -22,11 +22,16 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Unpack
 
-from topkv.transport import backends, framing
-from topkv.transport.backends import EngineSink, EngineSource
-from topkv.transport.base import LayerCallback, TransportMode
+from topkv.transport import backends
+from topkv.transport.backends import (
+    EngineSink,
+    EngineSinkOptions,
+    EngineSource,
+    EngineSourceOptions,
+)
+from topkv.transport.base import TransportMode
 from topkv.transport.errors import PeerDied, TransportError, TransportUnavailable
 
 try:
@@ -117,6 +122,10 @@ class _MooncakeSourceEngine(backends.HostSourceEngine):
         """The engine shuts down with the object."""
 
 
+def _mode(protocol: str) -> TransportMode:
+    return TransportMode.RDMA if protocol == "rdma" else TransportMode.TCP
+
+
 class MooncakeSink(EngineSink):
     """Receives KV written by :class:`MooncakeSource` (address ``mooncake://host:port``)."""
 
@@ -128,27 +137,14 @@ class MooncakeSink(EngineSink):
         secret: bytes,
         *,
         host: str = "127.0.0.1",
-        port: int = 0,
         capacity_bytes: int = DEFAULT_ARENA_BYTES,
         protocol: str = "tcp",
         device: str = "",
-        on_layer: LayerCallback | None = None,
-        limits: framing.ReceiveLimits | None = None,
-        io_timeout: float = 30.0,
-        verify: bool = True,
+        **options: Unpack[EngineSinkOptions],
     ) -> None:
-        self.mode = TransportMode.RDMA if protocol == "rdma" else TransportMode.TCP
-        super().__init__(
-            _MooncakeSinkEngine(capacity_bytes, host, protocol, device),
-            secret,
-            scheme="mooncake",
-            host=host,
-            port=port,
-            on_layer=on_layer,
-            limits=limits,
-            io_timeout=io_timeout,
-            verify=verify,
-        )
+        self.mode = _mode(protocol)
+        engine = _MooncakeSinkEngine(capacity_bytes, host, protocol, device)
+        super().__init__(engine, secret, scheme="mooncake", host=host, **options)
 
 
 class MooncakeSource(EngineSource):
@@ -164,16 +160,8 @@ class MooncakeSource(EngineSource):
         host: str = "127.0.0.1",
         protocol: str = "tcp",
         device: str = "",
-        connect_timeout: float = 5.0,
-        io_timeout: float = 30.0,
-        ack_timeout: float = 30.0,
+        **options: Unpack[EngineSourceOptions],
     ) -> None:
-        self.mode = TransportMode.RDMA if protocol == "rdma" else TransportMode.TCP
-        super().__init__(
-            _MooncakeSourceEngine(host, protocol, device),
-            secret,
-            scheme="mooncake",
-            connect_timeout=connect_timeout,
-            io_timeout=io_timeout,
-            ack_timeout=ack_timeout,
-        )
+        self.mode = _mode(protocol)
+        engine = _MooncakeSourceEngine(host, protocol, device)
+        super().__init__(engine, secret, scheme="mooncake", **options)

@@ -23,11 +23,16 @@ import os
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Unpack
 
-from topkv.transport import backends, framing
-from topkv.transport.backends import EngineSink, EngineSource
-from topkv.transport.base import LayerCallback, TransportMode
+from topkv.transport import backends
+from topkv.transport.backends import (
+    EngineSink,
+    EngineSinkOptions,
+    EngineSource,
+    EngineSourceOptions,
+)
+from topkv.transport.base import TransportMode
 from topkv.transport.errors import PeerDied, TransferTimeout, TransportError, TransportUnavailable
 
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs INFO to stdout otherwise
@@ -152,25 +157,12 @@ class NixlSink(EngineSink):
         secret: bytes,
         *,
         host: str = "127.0.0.1",
-        port: int = 0,
         capacity_bytes: int = DEFAULT_ARENA_BYTES,
         ucx_tls: str | None = None,
-        on_layer: LayerCallback | None = None,
-        limits: framing.ReceiveLimits | None = None,
-        io_timeout: float = 30.0,
-        verify: bool = True,
+        **options: Unpack[EngineSinkOptions],
     ) -> None:
-        super().__init__(
-            _NixlSinkEngine(capacity_bytes, ucx_tls),
-            secret,
-            scheme="nixl",
-            host=host,
-            port=port,
-            on_layer=on_layer,
-            limits=limits,
-            io_timeout=io_timeout,
-            verify=verify,
-        )
+        engine = _NixlSinkEngine(capacity_bytes, ucx_tls)
+        super().__init__(engine, secret, scheme="nixl", host=host, **options)
 
 
 class NixlSource(EngineSource):
@@ -180,19 +172,6 @@ class NixlSource(EngineSource):
     mode = TransportMode.RDMA
 
     def __init__(
-        self,
-        secret: bytes,
-        *,
-        ucx_tls: str | None = None,
-        connect_timeout: float = 5.0,
-        io_timeout: float = 30.0,
-        ack_timeout: float = 30.0,
+        self, secret: bytes, *, ucx_tls: str | None = None, **options: Unpack[EngineSourceOptions]
     ) -> None:
-        super().__init__(
-            _NixlSourceEngine(ucx_tls),
-            secret,
-            scheme="nixl",
-            connect_timeout=connect_timeout,
-            io_timeout=io_timeout,
-            ack_timeout=ack_timeout,
-        )
+        super().__init__(_NixlSourceEngine(ucx_tls), secret, scheme="nixl", **options)
