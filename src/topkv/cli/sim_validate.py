@@ -12,27 +12,38 @@ import typer
 def sim_validate_command(
     demo_json: Path = typer.Option(..., "--demo-json", help="Output of topkv demo --json."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
-    seed: int | None = typer.Option(None, "--seed", help="The demo's --seed (default 0)."),
-    speedup: float | None = typer.Option(
-        None, "--speedup", help="The demo's --speedup (default 1.5)."
+    prefill_model: str = typer.Option(
+        "quadratic",
+        "--prefill-model",
+        help="quadratic (prefill ms vs prompt length) or contention (also vs the prefills "
+        "and decodes sharing this CPU host; needs the demo's timeline fields).",
     ),
-    new_tokens: int | None = typer.Option(
-        None, "--new-tokens", help="The demo's --new-tokens (default 8)."
-    ),
-    trace: Path | None = typer.Option(None, "--trace", help="The demo's --trace CSV."),
     calibrate_from: Path | None = typer.Option(
         None,
         "--calibrate-from",
-        help="Another demo record (same settings) to fit prefill and decode times on.",
+        help="Another demo record (same settings) to calibrate on: a cross-run prediction.",
     ),
     decode_step_ms: float | None = typer.Option(
         None,
         "--decode-step-ms",
         help="Decode time per token; default: the record's decode_ms, else a measured 16.2 ms.",
     ),
+    seed: int | None = typer.Option(
+        None, "--seed", help="Old records without arrival_ms: the demo's --seed (default 0)."
+    ),
+    speedup: float | None = typer.Option(
+        None, "--speedup", help="Old records without arrival_ms: the demo's --speedup (1.5)."
+    ),
+    new_tokens: int | None = typer.Option(
+        None, "--new-tokens", help="The demo's --new-tokens when the record lacks options (8)."
+    ),
+    trace: Path | None = typer.Option(
+        None, "--trace", help="Old records without arrival_ms: the demo's --trace CSV."
+    ),
 ) -> None:
-    """Configure the simulator as the demo's local cluster, calibrated from the record, and
-    compare its predicted TTFT p50/p90 with the measured ones (exit 1 beyond 10% at p50)."""
+    """Configure the simulator as the demo's local cluster, calibrated from the record (or
+    another run), and compare its predicted TTFT p50/p90, queueing/service split and
+    per-request routes with the measured ones (exit 1 beyond 10% at p50)."""
     from topkv.sim.validate_live import (
         DemoRecord,
         ValidationOptions,
@@ -48,6 +59,7 @@ def sim_validate_command(
         new_tokens=new_tokens,
         trace=trace,
         decode_step_ms=decode_step_ms,
+        prefill_model=prefill_model,
     )
     if calibrate_from is not None:
         options = calibration_from(DemoRecord.load(calibrate_from), options)

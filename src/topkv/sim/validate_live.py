@@ -2,30 +2,44 @@
 
 The simulator is configured as the local cluster of ``topkv demo`` (#6) and predicts the
 TTFT of the very requests the demo served; the prediction is compared with the demo's
-measured TTFT (p50, p90).
+measured TTFT (p50, p90), split into queueing (arrival -> a prefill worker picks the
+request up: the demo's ``queue_ms``) and service (the rest: prefill, exposed transfer,
+handoff), and request by request for the route (prefill worker, decode worker, transport).
 
-* **Requests**: the demo's JSON has no arrival times or prompt lengths, so they are rebuilt
-  with the demo's own :func:`topkv.demo.workload.load_requests` (same trace, count, seed
-  and speedup give the same requests). The prompt length implied by each request's KV
-  ``bytes`` is checked against the rebuilt one, so a record made with other settings is
-  refused rather than silently mis-simulated.
+* **Requests**: the record's own ``arrival_ms`` and ``prompt_len`` (``topkv demo --json``
+  carries them); each prompt length must agree with the request's KV ``bytes``. Older
+  records without them are rebuilt with the demo's :func:`topkv.demo.workload.load_requests`
+  (same trace, count, seed and speedup give the same requests), checked against ``bytes``
+  so that a record made with other settings is refused rather than mis-simulated.
 * **Cluster**: two emulated 8x H100 nodes, reduced to the GPUs the demo uses: prefill on
   GPU0 and decode on GPU1 of each node (TP 1, P:D 1:1), NVLink inside a node, one RDMA
   NIC per GPU across nodes. The demo paces every link ``dilation`` times slower than the
   hardware, so the simulated links run at ``bandwidth / dilation`` with
   ``setup * dilation`` per chunk (layer).
 * **Policies**: the same :class:`~topkv.policy.route.RoutingPolicy` and
-  :class:`~topkv.policy.select.CostPolicy` as the demo's router; each decode worker has
-  ``decode_slots`` (2) slots, held from routing to the end of decode; one request per
-  prefill pass (no batching), FIFO, pipelined layer-by-layer transfer.
-* **Compute**: prefill time as a function of prompt length, fitted by least squares
-  (``a + b s + c s^2`` ms) to the demo's measured ``prefill_ms``; decode steps from the
-  roofline scaled to the measured per-token decode time (the record's ``decode_ms`` when
-  present, else ``decode_step_ms``).
+  :class:`~topkv.policy.select.CostPolicy` as the demo's relay orchestrator; each decode
+  worker has ``decode_slots`` (2) slots, held from routing to the end of decode; one
+  request per prefill pass (no batching), FIFO, pipelined layer-by-layer transfer.
+* **Compute**, calibrated from measurements (:class:`Calibration`):
 
-:func:`validate_against_demo` calibrates on all requests (in-sample) and also
-cross-validates: prefill is fitted on even request ids only and TTFT compared on the odd
-ids the fit never saw.
+  - ``quadratic`` (default): prefill ``a + b s + c s^2`` ms for ``s`` prompt tokens,
+    least squares on the measured ``prefill_ms``;
+  - ``contention``: a model of *this CPU host*, where the demo's four worker processes
+    share 2 cores: ``a + s (b + k_p o_p + k_d o_d)`` ms, with ``o_p`` (``o_d``) the
+    number of other prefills (decodes) running, averaged over this prefill. Fitted on the
+    measured timeline (each request's prefill and decode intervals follow from
+    ``arrival_ms``, ``queue_ms``, ``prefill_ms``, ``ttft_ms`` and ``decode_ms``); to
+    *predict*, the overlaps come from the simulated timeline instead, solved as a fixed
+    point (simulate, recompute every prefill's overlaps, damp, repeat). GPUs do not
+    share compute between instances: this term models the host, not the hardware.
+  - decode per token: median ``decode_ms / (new_tokens - 1)``; ``overhead_ms``: median
+    ``ttft - queue - prefill - exposed`` (orchestrator handoff, first-token message),
+    added to every predicted TTFT; ``dispatch_ms``: median ``queue_ms`` of requests that
+    arrived to an idle prefill worker, added to every predicted queueing time.
+
+:func:`validate_against_demo` calibrates on all requests of the run (in-sample) and also
+cross-validates (calibrated on even request ids only, TTFT compared on the odd ids the fit
+never saw); :func:`calibration_from` calibrates on another recorded run (cross-run).
 """
 
 from __future__ import annotations
@@ -41,18 +55,23 @@ import numpy as np
 
 from topkv.kv.spec import ModelSpec
 from topkv.planner.transports import DEFAULT_TRANSPORTS
-from topkv.sim.cluster import ClusterSpec, NodeGroup
+from topkv.policy.view import PathCandidate
+from topkv.sim.cluster import ClusterSpec, Instance, NodeGroup
 from topkv.sim.compute import ComputeModel, get_gpu
 from topkv.sim.errors import SimError
-from topkv.sim.runner import SimConfig, Simulation
+from topkv.sim.runner import SimConfig, Simulation, _Decode, _Req
 from topkv.sim.workload import Request, Workload
 
 #: Tolerance the issue sets for the TTFT p50 prediction.
 TARGET_ERROR = 0.10
 #: Decode time per token (ms) used when the record has no ``decode_ms``: measured, the
-#: median ``decode_ms / (new_tokens - 1)`` of tests/sim/data/demo_record_50.json (50
-#: requests on the 2-core dev host).
+#: median ``decode_ms / (new_tokens - 1)`` of a 50-request run on the 2-core dev host.
 DEFAULT_DECODE_STEP_MS = 16.2
+#: Fixed point of the contention model: stop when no prefill moves by more than this.
+CONVERGED_MS = 0.5
+MAX_ITERATIONS = 40
+
+PREFILL_MODELS = ("quadratic", "contention")
 
 
 class LiveValidationError(SimError):
@@ -64,7 +83,10 @@ class LiveValidationError(SimError):
 
 @dataclass(frozen=True)
 class DemoMeasurement:
-    """One request of ``topkv demo --json`` (wall-clock ms on the demo's host)."""
+    """One request of ``topkv demo --json`` (wall-clock ms on the demo's host).
+
+    The optional fields are newer than issue #6's list; older records lack them.
+    """
 
     id: int
     transport: str
@@ -72,7 +94,17 @@ class DemoMeasurement:
     prefill_ms: float
     exposed_ms: float
     ttft_ms: float
-    decode_ms: float | None = None  # optional extra field (benchmarks/sim_vs_live.py)
+    decode_ms: float | None = None
+    arrival_ms: float | None = None
+    prompt_len: int | None = None
+    prefill_worker: str | None = None
+    decode_worker: str | None = None
+    queue_ms: float | None = None
+
+    @property
+    def service_ms(self) -> float | None:
+        """TTFT less queueing: prefill, exposed transfer and handoff."""
+        return None if self.queue_ms is None else self.ttft_ms - self.queue_ms
 
 
 @dataclass(frozen=True)
@@ -111,9 +143,28 @@ class DemoRecord:
         rows = [_measurement(row, i, source) for i, row in enumerate(data["requests"])]
         if not rows:
             raise LiveValidationError(f"{source}: the record has no requests")
+        ids = [m.id for m in rows]
+        if len(set(ids)) != len(ids):
+            raise LiveValidationError(f"{source}: request ids are not unique")
         options = data.get("options")
         return cls(
             tuple(rows), dilation, dict(options) if isinstance(options, dict) else {}, source
+        )
+
+    @property
+    def has_requests(self) -> bool:
+        """Every request carries its arrival and prompt length (no rebuild needed)."""
+        return all(m.arrival_ms is not None and m.prompt_len is not None for m in self.requests)
+
+    @property
+    def has_timeline(self) -> bool:
+        """Every request's prefill and decode intervals follow from the record."""
+        return self.has_requests and all(
+            m.queue_ms is not None
+            and m.decode_ms is not None
+            and math.isfinite(m.prefill_ms)
+            and math.isfinite(m.ttft_ms)
+            for m in self.requests
         )
 
 
@@ -130,10 +181,27 @@ def _measurement(row: Any, index: int, source: str) -> DemoMeasurement:
             raise LiveValidationError(f"{where}: {key} must be a number, got {value!r}")
         return float(value)
 
+    def optional(key: str) -> float | None:
+        value = number(key, optional=True)
+        return None if math.isnan(value) else value
+
+    def worker(key: str) -> str | None:
+        value = row.get(key)
+        if value is None or value == "":
+            return None
+        if not isinstance(value, str):
+            raise LiveValidationError(f"{where}: {key} must be a string, got {value!r}")
+        return value
+
     rid, nbytes = number("id"), number("bytes")
     if not (rid == int(rid) and rid >= 0 and nbytes == int(nbytes) and nbytes >= 0):
         raise LiveValidationError(f"{where}: id and bytes must be non-negative integers")
-    decode = number("decode_ms", optional=True)
+    prompt_len = optional("prompt_len")
+    if prompt_len is not None and not (prompt_len == int(prompt_len) and prompt_len >= 1):
+        raise LiveValidationError(f"{where}: prompt_len must be a positive integer")
+    arrival = optional("arrival_ms")
+    if arrival is not None and not (math.isfinite(arrival) and arrival >= 0):
+        raise LiveValidationError(f"{where}: arrival_ms must be >= 0, got {arrival}")
     return DemoMeasurement(
         id=int(rid),
         transport=str(row.get("transport") or ""),
@@ -141,11 +209,16 @@ def _measurement(row: Any, index: int, source: str) -> DemoMeasurement:
         prefill_ms=number("prefill_ms"),
         exposed_ms=number("exposed_ms"),
         ttft_ms=number("ttft_ms"),
-        decode_ms=None if math.isnan(decode) else decode,
+        decode_ms=optional("decode_ms"),
+        arrival_ms=arrival,
+        prompt_len=None if prompt_len is None else int(prompt_len),
+        prefill_worker=worker("prefill_worker"),
+        decode_worker=worker("decode_worker"),
+        queue_ms=optional("queue_ms"),
     )
 
 
-# -- calibration ---------------------------------------------------------------------------
+# -- prefill models ----------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -194,6 +267,289 @@ class PrefillFit:
         predicted = np.array([self.ms(float(s)) for s in x])
         rms = float(np.sqrt(np.mean((predicted - y) ** 2)))
         return PrefillFit(self.a_ms, self.b_ms_per_token, self.c_ms_per_token2, rms, len(x))
+
+    def describe(self) -> str:
+        return (
+            f"quadratic {self.a_ms:.1f} + {self.b_ms_per_token:.4f} s + "
+            f"{self.c_ms_per_token2:.3g} s^2 ms"
+        )
+
+
+@dataclass(frozen=True)
+class Overlap:
+    """Other prefills / decodes running during one prefill, averaged over its duration."""
+
+    prefills: float = 0.0
+    decodes: float = 0.0
+
+
+@dataclass(frozen=True)
+class ContentionFit:
+    """Prefill time on a shared CPU host: ``a + s (b + k_p o_p + k_d o_d)`` ms.
+
+    ``o_p`` / ``o_d`` (:class:`Overlap`): how many other prefills / decodes ran alongside,
+    on average over the prefill. ``k_p`` and ``k_d`` are the extra ms per token that one
+    co-running prefill or decode costs; they are kept >= 0 (a term that fits negative is
+    dropped and the rest refitted).
+    """
+
+    a_ms: float
+    b_ms_per_token: float
+    k_prefill_ms_per_token: float
+    k_decode_ms_per_token: float
+    rms_ms: float = 0.0
+    points: int = 0
+
+    def ms(self, tokens: float, overlap: Overlap = Overlap()) -> float:
+        per_token = (
+            self.b_ms_per_token
+            + self.k_prefill_ms_per_token * overlap.prefills
+            + self.k_decode_ms_per_token * overlap.decodes
+        )
+        return self.a_ms + per_token * tokens
+
+    @classmethod
+    def fit(
+        cls, tokens: Sequence[float], overlaps: Sequence[Overlap], prefill_ms: Sequence[float]
+    ) -> ContentionFit:
+        rows = [
+            (float(s), o, float(m))
+            for s, o, m in zip(tokens, overlaps, prefill_ms, strict=True)
+            if math.isfinite(float(s)) and math.isfinite(float(m)) and m > 0
+        ]
+        distinct = len({s for s, _, _ in rows})
+        if distinct < 2 or len(rows) < 4:
+            raise LiveValidationError(
+                f"cannot fit the contention model: {len(rows)} measured prefills with "
+                f"{distinct} distinct prompt lengths (need 4 and 2)"
+            )
+        s = np.array([r[0] for r in rows])
+        y = np.array([r[2] for r in rows])
+        columns = {
+            "a": np.ones_like(s),
+            "b": s,
+            "kp": s * np.array([r[1].prefills for r in rows]),
+            "kd": s * np.array([r[1].decodes for r in rows]),
+        }
+        use = list(columns)
+        while True:
+            x = np.column_stack([columns[k] for k in use])
+            solved = dict(zip(use, np.linalg.lstsq(x, y, rcond=None)[0].tolist(), strict=True))
+            negative = [k for k in ("kp", "kd", "a") if solved.get(k, 0.0) < 0]
+            if not negative:
+                break
+            use.remove(negative[0])
+        if solved.get("b", 0.0) <= 0:
+            raise LiveValidationError("the contention fit gives a non-positive time per token")
+        fit = cls(solved.get("a", 0.0), solved["b"], solved.get("kp", 0.0), solved.get("kd", 0.0))
+        predicted = np.array([fit.ms(r[0], r[1]) for r in rows])
+        rms = float(np.sqrt(np.mean((predicted - y) ** 2)))
+        return replace(fit, rms_ms=rms, points=len(rows))
+
+    def describe(self) -> str:
+        return (
+            f"contention {self.a_ms:.1f} + s ({self.b_ms_per_token:.3f} + "
+            f"{self.k_prefill_ms_per_token:.3f} o_p + {self.k_decode_ms_per_token:.3f} o_d) ms"
+        )
+
+
+PrefillModel = PrefillFit | ContentionFit
+
+
+def overlaps(
+    prefills: Mapping[int, tuple[float, float]], decodes: Mapping[int, tuple[float, float]]
+) -> dict[int, Overlap]:
+    """For every prefill interval, the mean number of *other* prefills and of decodes
+    running during it (intervals in any one time unit, e.g. ms)."""
+    out: dict[int, Overlap] = {}
+    for rid, span in prefills.items():
+        out[rid] = Overlap(_shared(span, prefills, rid), _shared(span, decodes, None))
+    return out
+
+
+def _shared(
+    span: tuple[float, float], others: Mapping[int, tuple[float, float]], skip: int | None
+) -> float:
+    """Total time of ``others`` (but ``skip``) inside ``span``, over its length."""
+    start, end = span
+    if not end > start:
+        return 0.0
+    total = 0.0
+    for other, (s2, e2) in others.items():
+        if other != skip:
+            total += max(0.0, min(end, e2) - max(start, s2))
+    return total / (end - start)
+
+
+def measured_timeline(
+    record: DemoRecord,
+) -> tuple[dict[int, tuple[float, float]], dict[int, tuple[float, float]]]:
+    """Each request's prefill and decode interval (ms since the first arrival), from the
+    record's arrival, queueing, prefill, TTFT and decode times."""
+    if not record.has_timeline:
+        raise LiveValidationError(
+            f"{record.source}: the contention model needs arrival_ms, prompt_len, queue_ms and "
+            "decode_ms for every request (topkv demo --json gives them); use "
+            "--prefill-model quadratic for an older record"
+        )
+    prefills: dict[int, tuple[float, float]] = {}
+    decodes: dict[int, tuple[float, float]] = {}
+    for m in record.requests:
+        assert m.arrival_ms is not None and m.queue_ms is not None and m.decode_ms is not None
+        start = m.arrival_ms + m.queue_ms
+        prefills[m.id] = (start, start + m.prefill_ms)
+        first_token = m.arrival_ms + m.ttft_ms
+        decodes[m.id] = (first_token, first_token + m.decode_ms)
+    return prefills, decodes
+
+
+# -- calibration ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Everything the simulator takes from measurements of one run (or part of one)."""
+
+    prefill: PrefillModel
+    decode_step_ms: float
+    #: Added to every TTFT: handoff after the last layer landed, first-token message.
+    overhead_ms: float = 0.0
+    #: Added to every queueing time: arrival -> an idle prefill worker picks it up.
+    dispatch_ms: float = 0.0
+    points: int = 0
+    source: str = ""
+
+    @property
+    def model(self) -> str:
+        return "contention" if isinstance(self.prefill, ContentionFit) else "quadratic"
+
+    def describe(self) -> str:
+        return (
+            f"{self.prefill.describe()} (rms residual {self.prefill.rms_ms:.1f} ms over "
+            f"{self.prefill.points} requests); decode {self.decode_step_ms:.2f} ms/token; "
+            f"dispatch {self.dispatch_ms:.1f} ms; overhead {self.overhead_ms:.1f} ms"
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        fit = self.prefill
+        if isinstance(fit, ContentionFit):
+            prefill: dict[str, Any] = {
+                "model": "contention",
+                "a": fit.a_ms,
+                "b_per_token": fit.b_ms_per_token,
+                "k_prefill_per_token": fit.k_prefill_ms_per_token,
+                "k_decode_per_token": fit.k_decode_ms_per_token,
+            }
+        else:
+            prefill = {
+                "model": "quadratic",
+                "a": fit.a_ms,
+                "b_per_token": fit.b_ms_per_token,
+                "c_per_token2": fit.c_ms_per_token2,
+            }
+        prefill.update(rms=fit.rms_ms, points=fit.points)
+        return {
+            "source": self.source,
+            "prefill_ms": prefill,
+            "decode_step_ms": self.decode_step_ms,
+            "overhead_ms": self.overhead_ms,
+            "dispatch_ms": self.dispatch_ms,
+        }
+
+
+def measured_decode_step_ms(
+    record: DemoRecord, new_tokens: int, ids: set[int] | None = None
+) -> float:
+    """Median decode time per simulated step from the record's ``decode_ms``, else the
+    measured default. The first token comes from prefill; the simulator decodes n - 1."""
+    steps = max(1, new_tokens - 1)
+    decodes = [
+        m.decode_ms / steps for m in record.requests if m.decode_ms and (ids is None or m.id in ids)
+    ]
+    return float(np.median(decodes)) if decodes else DEFAULT_DECODE_STEP_MS
+
+
+def measured_overhead_ms(record: DemoRecord, ids: set[int] | None = None) -> float:
+    """Median TTFT outside queueing, prefill and exposed transfer (0 without queue_ms)."""
+    rest = [
+        m.ttft_ms - m.queue_ms - m.prefill_ms - m.exposed_ms
+        for m in record.requests
+        if m.queue_ms is not None and (ids is None or m.id in ids)
+    ]
+    rest = [r for r in rest if math.isfinite(r)]
+    return max(0.0, float(np.median(rest))) if rest else 0.0
+
+
+def measured_dispatch_ms(record: DemoRecord, ids: set[int] | None = None) -> float:
+    """Median ``queue_ms`` of the requests that arrived while some prefill worker was
+    idle (by the record's timeline): the demo's pickup latency. 0 without a timeline."""
+    if not record.has_timeline or not all(m.prefill_worker for m in record.requests):
+        return 0.0
+    spans, _ = measured_timeline(record)
+    workers = sorted({str(m.prefill_worker) for m in record.requests})
+    busy = {w: [spans[m.id] for m in record.requests if m.prefill_worker == w] for w in workers}
+    picked = []
+    for m in record.requests:
+        if ids is not None and m.id not in ids:
+            continue
+        assert m.arrival_ms is not None and m.queue_ms is not None
+        t = m.arrival_ms
+        if any(not any(s <= t < e for s, e in busy[w]) for w in workers):
+            picked.append(m.queue_ms)
+    return max(0.0, float(np.median(picked))) if picked else 0.0
+
+
+def resolve_model(record: DemoRecord, model: str) -> str:
+    if model not in PREFILL_MODELS:
+        raise LiveValidationError(f"unknown prefill model {model!r}; one of {PREFILL_MODELS}")
+    if model == "contention" and not record.has_timeline:
+        measured_timeline(record)  # raises the actionable error
+    return model
+
+
+def calibrate(
+    record: DemoRecord,
+    requests: Sequence[Request],
+    ids: set[int] | None = None,
+    model: str = "quadratic",
+    decode_step_ms: float | None = None,
+) -> Calibration:
+    """Fit the compute model on the record's requests (``ids`` only, if given)."""
+    tokens = {r.rid: r.input_tokens for r in requests}
+    rows = [m for m in record.requests if m.id in tokens and (ids is None or m.id in ids)]
+    new_tokens = requests[0].output_tokens if requests else 1
+    decode = (
+        decode_step_ms
+        if decode_step_ms is not None
+        else measured_decode_step_ms(record, new_tokens, ids)
+    )
+    prefill: PrefillModel
+    if resolve_model(record, model) == "contention":
+        spans, decodes = measured_timeline(record)
+        seen = overlaps(spans, decodes)
+        prefill = ContentionFit.fit(
+            [tokens[m.id] for m in rows], [seen[m.id] for m in rows], [m.prefill_ms for m in rows]
+        )
+    else:
+        prefill = PrefillFit.fit([tokens[m.id] for m in rows], [m.prefill_ms for m in rows])
+    scope = "all requests" if ids is None else f"{len(rows)} requests"
+    return Calibration(
+        prefill,
+        decode,
+        measured_overhead_ms(record, ids),
+        measured_dispatch_ms(record, ids),
+        len(rows),
+        f"{record.source} ({scope})",
+    )
+
+
+def fit_prefill(
+    record: DemoRecord, requests: Sequence[Request], ids: set[int] | None = None
+) -> PrefillFit:
+    """Quadratic prefill fit from the record's ``prefill_ms`` (of ``ids`` only, if given)."""
+    fit = calibrate(record, requests, ids, model="quadratic").prefill
+    assert isinstance(fit, PrefillFit)
+    return fit
 
 
 @dataclass(frozen=True)
@@ -260,12 +616,14 @@ def demo_cluster_spec(dilation: float) -> ClusterSpec:
     )
 
 
-# -- validation ------------------------------------------------------------------------------
+# -- the requests --------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class ValidationOptions:
-    """Demo settings the record does not carry (``None``: the record's, else the demo's)."""
+    """How to validate. ``seed``/``speedup``/``new_tokens``/``trace``: demo settings the
+    record does not carry (``None``: the record's, else the demo's defaults); they matter
+    only for records without ``arrival_ms``/``prompt_len`` (rebuilt requests)."""
 
     seed: int | None = None
     speedup: float | None = None
@@ -274,79 +632,12 @@ class ValidationOptions:
     decode_slots: int = 2
     decode_step_ms: float | None = None
     policy: str = "cost"
-    #: Use this prefill fit (e.g. from another run, :func:`fit_prefill`) instead of
-    #: fitting the record itself.
-    prefill_fit: PrefillFit | None = None
-
-
-@dataclass(frozen=True)
-class Comparison:
-    """Predicted vs measured TTFT over one set of requests (ms)."""
-
-    label: str
-    requests: int
-    measured_p50_ms: float
-    predicted_p50_ms: float
-    measured_p90_ms: float
-    predicted_p90_ms: float
-
-    @property
-    def p50_error(self) -> float:
-        return (self.predicted_p50_ms - self.measured_p50_ms) / self.measured_p50_ms
-
-    @property
-    def p90_error(self) -> float:
-        return (self.predicted_p90_ms - self.measured_p90_ms) / self.measured_p90_ms
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "requests": self.requests,
-            "ttft_p50_ms": {"measured": self.measured_p50_ms, "predicted": self.predicted_p50_ms},
-            "ttft_p90_ms": {"measured": self.measured_p90_ms, "predicted": self.predicted_p90_ms},
-            "p50_error": self.p50_error,
-            "p90_error": self.p90_error,
-        }
-
-
-@dataclass(frozen=True)
-class ValidationReport:
-    source: str
-    requests: int
-    dilation: float
-    fit: PrefillFit
-    decode_step_ms: float
-    in_sample: Comparison
-    cross_validated: Comparison
-    transports_measured: dict[str, int]
-    transports_predicted: dict[str, int]
-    predicted_ttft_ms: dict[int, float]
-
-    @property
-    def within_target(self) -> bool:
-        return abs(self.in_sample.p50_error) <= TARGET_ERROR
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "source": self.source,
-            "requests": self.requests,
-            "dilation": self.dilation,
-            "prefill_fit_ms": {
-                "a": self.fit.a_ms,
-                "b_per_token": self.fit.b_ms_per_token,
-                "c_per_token2": self.fit.c_ms_per_token2,
-                "rms": self.fit.rms_ms,
-                "points": self.fit.points,
-            },
-            "decode_step_ms": self.decode_step_ms,
-            "in_sample": self.in_sample.as_dict(),
-            "cross_validated": self.cross_validated.as_dict(),
-            "target_p50_error": TARGET_ERROR,
-            "within_target": self.within_target,
-            "transports": {
-                "measured": self.transports_measured,
-                "predicted": self.transports_predicted,
-            },
-        }
+    #: ``quadratic`` (the default: the better p50 on the recorded runs) or
+    #: ``contention`` (the better p90 on runs without outside load; needs the timeline).
+    prefill_model: str = "quadratic"
+    #: Predict with this calibration (e.g. another run's, :func:`calibration_from`)
+    #: instead of calibrating on the record itself.
+    calibration: Calibration | None = None
 
 
 def _setting(explicit: Any, record: DemoRecord, key: str, default: Any) -> Any:
@@ -355,11 +646,41 @@ def _setting(explicit: Any, record: DemoRecord, key: str, default: Any) -> Any:
     return record.options.get(key, default)
 
 
+def _kv_bytes_per_token() -> int:
+    from topkv.engine.spec import DemoModelConfig
+
+    cfg = DemoModelConfig()
+    return 2 * cfg.kv_heads * cfg.head_dim * 4 * cfg.layers  # K and V, float32, all layers
+
+
+def requests_for(
+    record: DemoRecord, options: ValidationOptions = ValidationOptions()
+) -> list[Request]:
+    """The record's requests: its own arrivals and prompt lengths, or rebuilt ones."""
+    if not record.has_requests:
+        return rebuild_requests(record, options)
+    new_tokens = int(_setting(options.new_tokens, record, "new_tokens", 8))
+    if new_tokens < 1:
+        raise LiveValidationError(f"new_tokens must be >= 1, got {new_tokens}")
+    per_token = _kv_bytes_per_token()
+    out: list[Request] = []
+    for m in record.requests:
+        assert m.prompt_len is not None and m.arrival_ms is not None
+        if m.bytes != m.prompt_len * per_token:
+            raise LiveValidationError(
+                f"{record.source}: request {m.id} carries {m.bytes:,} KV bytes but prompt_len "
+                f"{m.prompt_len} ({m.prompt_len * per_token:,} bytes for the demo's model); "
+                "the record is not from the demo's default model"
+            )
+        out.append(Request(m.id, m.arrival_ms * 1e-3, m.prompt_len, new_tokens))
+    return sorted(out, key=lambda r: (r.arrival_s, r.rid))
+
+
 def rebuild_requests(record: DemoRecord, options: ValidationOptions) -> list[Request]:
-    """The demo's requests (arrival s, prompt length, new tokens), checked against ``bytes``."""
+    """The demo's requests (arrival s, prompt length, new tokens) rebuilt from the trace
+    (records without ``arrival_ms``/``prompt_len``), checked against ``bytes``."""
     from topkv.demo.runner import DemoOptions
     from topkv.demo.workload import find_trace, load_requests
-    from topkv.engine.spec import DemoModelConfig
     from topkv.errors import TopKVError
 
     defaults = DemoOptions()
@@ -378,8 +699,7 @@ def rebuild_requests(record: DemoRecord, options: ValidationOptions) -> list[Req
         )
     except TopKVError as exc:
         raise LiveValidationError(f"cannot rebuild the demo's requests: {exc}") from None
-    cfg = DemoModelConfig()
-    per_token = 2 * cfg.kv_heads * cfg.head_dim * 4 * cfg.layers
+    per_token = _kv_bytes_per_token()
     by_id = {r.rid: r for r in demo_requests}
     out: list[Request] = []
     for m in record.requests:
@@ -396,23 +716,73 @@ def rebuild_requests(record: DemoRecord, options: ValidationOptions) -> list[Req
     return sorted(out, key=lambda r: (r.arrival_s, r.rid))
 
 
-def simulate_demo(
+# -- simulation --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _GivenPrefill(ComputeModel):
+    """Prefill time handed in per pass by :class:`_DemoSimulation` (ms, a stack)."""
+
+    pending_ms: list[float] = field(default_factory=list)
+
+    def prefill_s(self, prompt_tokens: list[int] | tuple[int, ...]) -> float:
+        return self.pending_ms.pop() * 1e-3
+
+
+class _DemoSimulation(Simulation):
+    """The simulator with each request's own prefill time; records where prefill ran."""
+
+    def __init__(
+        self, config: SimConfig, workload: Workload, policy: str, prefill_ms: Mapping[int, float]
+    ) -> None:
+        super().__init__(config, workload, policy)
+        if not isinstance(self.compute, _GivenPrefill):
+            raise LiveValidationError("internal: the demo simulation needs its compute model")
+        self._given = self.compute
+        self._prefill_ms = prefill_ms
+        self.prefill_instance: dict[int, Instance] = {}
+
+    def _dispatch(self) -> None:
+        # The demo hands a request to the lowest-numbered free prefill worker (it scans
+        # them in name order); the simulator takes ``idle[-1]``.
+        self.idle.sort(key=lambda inst: -inst.iid)
+        super()._dispatch()
+
+    def _start_prefill(
+        self, inst: Instance, batch: list[tuple[_Req, _Decode, PathCandidate, str]]
+    ) -> None:
+        for r, *_ in batch:
+            self.prefill_instance[r.req.rid] = inst
+        self._given.pending_ms.append(sum(self._prefill_ms[r.req.rid] for r, *_ in batch))
+        super()._start_prefill(inst, batch)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """The simulator's account of every request (ms; workers named as the demo's)."""
+
+    ttft_ms: dict[int, float]
+    queue_ms: dict[int, float]
+    prefill_ms: dict[int, float]
+    transport: dict[int, str]
+    prefill_worker: dict[int, str]
+    decode_worker: dict[int, str]
+    iterations: int = 1
+    converged: bool = True
+
+
+def _simulate_once(
     requests: Sequence[Request],
-    fit: PrefillFit,
+    prefill_ms: Mapping[int, float],
+    calibration: Calibration,
     dilation: float,
-    decode_step_ms: float,
-    options: ValidationOptions = ValidationOptions(),
-) -> tuple[dict[int, float], dict[int, str]]:
-    """Simulated TTFT (ms) and transport of every request on the demo's local cluster."""
-    if options.decode_slots < 1:
-        raise LiveValidationError(f"decode slots must be >= 1, got {options.decode_slots}")
-    if not (math.isfinite(decode_step_ms) and decode_step_ms > 0):
-        raise LiveValidationError(f"decode step must be > 0 ms, got {decode_step_ms}")
+    options: ValidationOptions,
+) -> tuple[Prediction, dict[int, tuple[float, float]], dict[int, tuple[float, float]]]:
     model = demo_model_spec()
     cached = max(1, round(float(np.median([r.input_tokens for r in requests]))))
-    compute = FittedComputeModel(
-        model, get_gpu("H100"), tp=1, kv_dtype=DEMO_KV_DTYPE, prefill_fit=fit
-    ).calibrated(decode_step_ms=decode_step_ms, at_batch=1, at_cached_tokens=cached)
+    compute = _GivenPrefill(model, get_gpu("H100"), tp=1, kv_dtype=DEMO_KV_DTYPE).calibrated(
+        decode_step_ms=calibration.decode_step_ms, at_batch=1, at_cached_tokens=cached
+    )
     config = SimConfig(
         model=model,
         cluster=demo_cluster_spec(dilation),
@@ -423,119 +793,391 @@ def simulate_demo(
         compute=compute,
         decode_slots=options.decode_slots,
     )
-    sim = Simulation(config, Workload("topkv-demo", tuple(requests)), options.policy)
+    sim = _DemoSimulation(
+        config, Workload("topkv-demo", tuple(requests)), options.policy, prefill_ms
+    )
     sim.run()
-    ttft = {r.req.rid: r.ttft * 1e3 for r in sim.done}
-    transport = {r.req.rid: r.transport for r in sim.done}
-    return ttft, transport
+    nodes: list[str] = []
+    for gpu in sim.cluster.gpus:
+        if gpu.node not in nodes:
+            nodes.append(gpu.node)
+
+    def demo_name(inst: Instance) -> str:
+        return f"{inst.role}{nodes.index(inst.gpus[0].node)}"
+
+    dispatch = calibration.dispatch_ms
+    extra = calibration.overhead_ms + dispatch
+    ms = 1e3
+    spans: dict[int, tuple[float, float]] = {}
+    decodes: dict[int, tuple[float, float]] = {}
+    prediction = Prediction({}, {}, {}, {}, {}, {})
+    for r in sim.done:
+        rid = r.req.rid
+        prediction.ttft_ms[rid] = r.ttft * ms + extra
+        prediction.queue_ms[rid] = (r.prefill_start - r.req.arrival_s) * ms + dispatch
+        prediction.prefill_ms[rid] = (r.prefill_end - r.prefill_start) * ms
+        prediction.transport[rid] = r.transport
+        prediction.prefill_worker[rid] = demo_name(sim.prefill_instance[rid])
+        assert r.decode is not None
+        prediction.decode_worker[rid] = demo_name(r.decode.inst)
+        spans[rid] = (r.prefill_start * ms + dispatch, r.prefill_end * ms + dispatch)
+        decodes[rid] = (r.xfer_end * ms + extra, r.finish * ms + extra)
+    return prediction, spans, decodes
 
 
-def _compare(
-    label: str, measured: Mapping[int, float], predicted: Mapping[int, float], ids: set[int]
+def predict(
+    requests: Sequence[Request],
+    calibration: Calibration,
+    dilation: float,
+    options: ValidationOptions = ValidationOptions(),
+) -> Prediction:
+    """Simulate the demo's cluster on ``requests`` with ``calibration``.
+
+    With a :class:`ContentionFit`, each prefill's time depends on the prefills and decodes
+    the *simulation* runs alongside it: simulate, recompute every prefill from its
+    simulated overlaps, move halfway there, repeat until no prefill moves by more than
+    :data:`CONVERGED_MS` (or :data:`MAX_ITERATIONS`).
+    """
+    if options.decode_slots < 1:
+        raise LiveValidationError(f"decode slots must be >= 1, got {options.decode_slots}")
+    step = calibration.decode_step_ms
+    if not (math.isfinite(step) and step > 0):
+        raise LiveValidationError(f"decode step must be > 0 ms, got {step}")
+    fit = calibration.prefill
+    tokens = {r.rid: r.input_tokens for r in requests}
+    if isinstance(fit, PrefillFit):
+        durations = {rid: fit.ms(s) for rid, s in tokens.items()}
+        return _simulate_once(requests, durations, calibration, dilation, options)[0]
+    durations = {rid: fit.ms(s) for rid, s in tokens.items()}
+    for iteration in range(1, MAX_ITERATIONS + 1):
+        prediction, spans, decodes = _simulate_once(
+            requests, durations, calibration, dilation, options
+        )
+        seen = overlaps(spans, decodes)
+        target = {rid: fit.ms(tokens[rid], seen[rid]) for rid in tokens}
+        moved = max(abs(target[rid] - durations[rid]) for rid in tokens)
+        if moved <= CONVERGED_MS:
+            return replace(prediction, iterations=iteration, converged=True)
+        durations = {rid: (durations[rid] + target[rid]) / 2 for rid in tokens}
+    return replace(prediction, iterations=MAX_ITERATIONS, converged=False)
+
+
+def simulate_demo(
+    requests: Sequence[Request],
+    fit: PrefillModel,
+    dilation: float,
+    decode_step_ms: float,
+    options: ValidationOptions = ValidationOptions(),
+) -> tuple[dict[int, float], dict[int, str]]:
+    """Simulated TTFT (ms) and transport of every request on the demo's local cluster."""
+    prediction = predict(requests, Calibration(fit, decode_step_ms), dilation, options)
+    return prediction.ttft_ms, prediction.transport
+
+
+# -- comparison ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PartError:
+    """One part of TTFT (queueing or service) over a set of requests, ms."""
+
+    measured_p50_ms: float
+    predicted_p50_ms: float
+    measured_mean_ms: float
+    predicted_mean_ms: float
+
+    @property
+    def mean_error_ms(self) -> float:
+        return self.predicted_mean_ms - self.measured_mean_ms
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "p50_ms": {"measured": self.measured_p50_ms, "predicted": self.predicted_p50_ms},
+            "mean_ms": {"measured": self.measured_mean_ms, "predicted": self.predicted_mean_ms},
+        }
+
+
+def _part(measured: np.ndarray, predicted: np.ndarray) -> PartError:
+    return PartError(
+        float(np.percentile(measured, 50)),
+        float(np.percentile(predicted, 50)),
+        float(measured.mean()),
+        float(predicted.mean()),
+    )
+
+
+def _rank_correlation(a: np.ndarray, b: np.ndarray) -> float:
+    """Spearman's rank correlation (ties broken by order)."""
+    ra, rb = (np.argsort(np.argsort(v, kind="stable"), kind="stable").astype(float) for v in (a, b))
+    if len(a) < 2:
+        return math.nan
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Predicted vs measured TTFT over one set of requests (ms), with its parts."""
+
+    label: str
+    requests: int
+    measured_p50_ms: float
+    predicted_p50_ms: float
+    measured_p90_ms: float
+    predicted_p90_ms: float
+    measured_mean_ms: float = math.nan
+    predicted_mean_ms: float = math.nan
+    #: Arrival -> prefill starts (the demo's queue_ms), and TTFT less that.
+    queue: PartError | None = None
+    service: PartError | None = None
+    rank_correlation: float = math.nan
+
+    @property
+    def p50_error(self) -> float:
+        return (self.predicted_p50_ms - self.measured_p50_ms) / self.measured_p50_ms
+
+    @property
+    def p90_error(self) -> float:
+        return (self.predicted_p90_ms - self.measured_p90_ms) / self.measured_p90_ms
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "requests": self.requests,
+            "ttft_p50_ms": {"measured": self.measured_p50_ms, "predicted": self.predicted_p50_ms},
+            "ttft_p90_ms": {"measured": self.measured_p90_ms, "predicted": self.predicted_p90_ms},
+            "ttft_mean_ms": {
+                "measured": self.measured_mean_ms,
+                "predicted": self.predicted_mean_ms,
+            },
+            "p50_error": self.p50_error,
+            "p90_error": self.p90_error,
+            "rank_correlation": _json_number(self.rank_correlation),
+        }
+        if self.queue is not None and self.service is not None:
+            out["queue"] = self.queue.as_dict()
+            out["service"] = self.service.as_dict()
+        return out
+
+
+def _json_number(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+def compare(
+    label: str, record: DemoRecord, prediction: Prediction, ids: set[int] | None = None
 ) -> Comparison:
-    use = sorted(i for i in ids if i in predicted and math.isfinite(measured.get(i, math.nan)))
-    if len(use) < 2:
+    """Measured vs predicted over ``ids`` (default: all) with a finite measured TTFT."""
+    rows = [
+        m
+        for m in record.requests
+        if (ids is None or m.id in ids) and m.id in prediction.ttft_ms and math.isfinite(m.ttft_ms)
+    ]
+    if len(rows) < 2:
         raise LiveValidationError(f"{label}: fewer than 2 requests with a measured TTFT")
-    meas = np.array([measured[i] for i in use])
-    pred = np.array([predicted[i] for i in use])
+    meas = np.array([m.ttft_ms for m in rows])
+    pred = np.array([prediction.ttft_ms[m.id] for m in rows])
+    queue = service = None
+    if all(m.queue_ms is not None for m in rows):
+        meas_q = np.array([m.queue_ms for m in rows], dtype=float)
+        pred_q = np.array([prediction.queue_ms[m.id] for m in rows])
+        queue = _part(meas_q, pred_q)
+        service = _part(meas - meas_q, pred - pred_q)
     return Comparison(
         label,
-        len(use),
+        len(rows),
         float(np.percentile(meas, 50)),
         float(np.percentile(pred, 50)),
         float(np.percentile(meas, 90)),
         float(np.percentile(pred, 90)),
+        float(meas.mean()),
+        float(pred.mean()),
+        queue,
+        service,
+        _rank_correlation(meas, pred),
     )
 
 
-def fit_prefill(
-    record: DemoRecord, requests: Sequence[Request], ids: set[int] | None = None
-) -> PrefillFit:
-    """Prefill fit from the record's measured ``prefill_ms`` (of ``ids`` only, if given)."""
-    tokens = {r.rid: r.input_tokens for r in requests}
-    rows = [m for m in record.requests if m.id in tokens and (ids is None or m.id in ids)]
-    return PrefillFit.fit([tokens[m.id] for m in rows], [m.prefill_ms for m in rows])
+@dataclass(frozen=True)
+class RouteAgreement:
+    """Requests whose simulated route matches the measured one (of ``requests`` with a
+    measured value for that part)."""
+
+    requests: int
+    prefill_worker: int
+    decode_worker: int
+    transport: int
+    compared_workers: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "requests": self.requests,
+            "same_transport": self.transport,
+            "workers_compared": self.compared_workers,
+            "same_prefill_worker": self.prefill_worker,
+            "same_decode_worker": self.decode_worker,
+        }
 
 
-def measured_decode_step_ms(record: DemoRecord, new_tokens: int) -> float:
-    """Median decode time per simulated step from the record's ``decode_ms``, else the
-    measured default. The first token comes from prefill; the simulator decodes n - 1."""
-    steps = max(1, new_tokens - 1)
-    decodes = [m.decode_ms / steps for m in record.requests if m.decode_ms]
-    return float(np.median(decodes)) if decodes else DEFAULT_DECODE_STEP_MS
+def route_agreement(record: DemoRecord, prediction: Prediction) -> RouteAgreement:
+    rows = [m for m in record.requests if m.id in prediction.transport]
+    with_workers = [m for m in rows if m.prefill_worker and m.decode_worker]
+    return RouteAgreement(
+        requests=len(rows),
+        transport=sum(m.transport == prediction.transport[m.id] for m in rows),
+        compared_workers=len(with_workers),
+        prefill_worker=sum(
+            m.prefill_worker == prediction.prefill_worker[m.id] for m in with_workers
+        ),
+        decode_worker=sum(m.decode_worker == prediction.decode_worker[m.id] for m in with_workers),
+    )
+
+
+# -- validation ------------------------------------------------------------------------------
+
+
+def _counts(values: Sequence[str]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for v in values:
+        if v:
+            out[v] = out.get(v, 0) + 1
+    return dict(sorted(out.items()))
+
+
+@dataclass(frozen=True)
+class ValidationReport:
+    source: str
+    requests: int
+    dilation: float
+    calibration: Calibration
+    #: Against the record's own calibration ("in-sample") or a given one ("cross-run").
+    in_sample: Comparison
+    #: Calibrated on even ids of this record, compared on odd ids.
+    cross_validated: Comparison
+    routes: RouteAgreement
+    transports_measured: dict[str, int]
+    transports_predicted: dict[str, int]
+    predicted_ttft_ms: dict[int, float]
+    iterations: int = 1
+    converged: bool = True
+
+    @property
+    def fit(self) -> PrefillModel:
+        return self.calibration.prefill
+
+    @property
+    def decode_step_ms(self) -> float:
+        return self.calibration.decode_step_ms
+
+    @property
+    def within_target(self) -> bool:
+        return abs(self.in_sample.p50_error) <= TARGET_ERROR
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "source": self.source,
+            "requests": self.requests,
+            "dilation": self.dilation,
+            "calibration": self.calibration.as_dict(),
+            "fixed_point": {"iterations": self.iterations, "converged": self.converged},
+            self.in_sample.label: self.in_sample.as_dict(),
+            "cross_validated": self.cross_validated.as_dict(),
+            "target_p50_error": TARGET_ERROR,
+            "within_target": self.within_target,
+            "routes": self.routes.as_dict(),
+            "transports": {
+                "measured": self.transports_measured,
+                "predicted": self.transports_predicted,
+            },
+        }
 
 
 def calibration_from(other: DemoRecord, options: ValidationOptions) -> ValidationOptions:
-    """``options`` with the prefill fit and decode step of another recorded run (same
-    settings), so that a run is predicted by a calibration that never saw it."""
-    requests = rebuild_requests(other, options)
-    decode = options.decode_step_ms
-    if decode is None:
-        decode = measured_decode_step_ms(other, requests[0].output_tokens)
-    return replace(options, prefill_fit=fit_prefill(other, requests), decode_step_ms=decode)
+    """``options`` with the calibration of another recorded run (same demo settings), so
+    that a run is predicted by a calibration that never saw it."""
+    requests = requests_for(other, options)
+    calibration = calibrate(
+        other, requests, None, resolve_model(other, options.prefill_model), options.decode_step_ms
+    )
+    return replace(options, calibration=calibration)
 
 
 def validate_against_demo(
     record: DemoRecord, options: ValidationOptions = ValidationOptions()
 ) -> ValidationReport:
     """Predict the recorded run's TTFT with the simulator and compare (see module doc)."""
-    requests = rebuild_requests(record, options)
-    measured = {m.id: m.ttft_ms for m in record.requests}
-    decode_step_ms = options.decode_step_ms
-    if decode_step_ms is None:
-        decode_step_ms = measured_decode_step_ms(record, requests[0].output_tokens)
+    requests = requests_for(record, options)
+    model = resolve_model(record, options.prefill_model)
+    calibration = options.calibration or calibrate(
+        record, requests, None, model, options.decode_step_ms
+    )
+    prediction = predict(requests, calibration, record.dilation, options)
+    label = "in_sample" if options.calibration is None else "cross_run"
+    primary = compare(label, record, prediction)
     all_ids = {r.rid for r in requests}
-    fit = options.prefill_fit or fit_prefill(record, requests)
-    predicted, transports = simulate_demo(requests, fit, record.dilation, decode_step_ms, options)
-    label = "in-sample" if options.prefill_fit is None else "given fit"
-    in_sample = _compare(label, measured, predicted, all_ids)
     even = {i for i in all_ids if i % 2 == 0}
-    held_out_fit = fit_prefill(record, requests, even)
-    held_out, _ = simulate_demo(requests, held_out_fit, record.dilation, decode_step_ms, options)
-    cross = _compare("cross-validated", measured, held_out, all_ids - even)
-    measured_transports: dict[str, int] = {}
-    for m in record.requests:
-        if m.transport:
-            measured_transports[m.transport] = measured_transports.get(m.transport, 0) + 1
-    predicted_transports: dict[str, int] = {}
-    for t in transports.values():
-        predicted_transports[t] = predicted_transports.get(t, 0) + 1
+    held_out = calibrate(record, requests, even, model, options.decode_step_ms)
+    cross = compare(
+        "cross_validated",
+        record,
+        predict(requests, held_out, record.dilation, options),
+        all_ids - even,
+    )
     return ValidationReport(
         source=record.source,
         requests=len(requests),
         dilation=record.dilation,
-        fit=fit,
-        decode_step_ms=decode_step_ms,
-        in_sample=in_sample,
+        calibration=calibration,
+        in_sample=primary,
         cross_validated=cross,
-        transports_measured=dict(sorted(measured_transports.items())),
-        transports_predicted=dict(sorted(predicted_transports.items())),
-        predicted_ttft_ms=predicted,
+        routes=route_agreement(record, prediction),
+        transports_measured=_counts([m.transport for m in record.requests]),
+        transports_predicted=_counts(list(prediction.transport.values())),
+        predicted_ttft_ms=prediction.ttft_ms,
+        iterations=prediction.iterations,
+        converged=prediction.converged,
     )
+
+
+def _comparison_lines(c: Comparison) -> list[str]:
+    name = c.label.replace("_", "-")
+    lines = [
+        f"{name:>15} ({c.requests} req): TTFT p50 measured {c.measured_p50_ms:,.1f} ms, "
+        f"predicted {c.predicted_p50_ms:,.1f} ms, error {100 * c.p50_error:+.1f}%; p90 "
+        f"{c.measured_p90_ms:,.1f} vs {c.predicted_p90_ms:,.1f} ms, "
+        f"error {100 * c.p90_error:+.1f}%; rank correlation {c.rank_correlation:.2f}"
+    ]
+    if c.queue is not None and c.service is not None:
+        lines.append(
+            f"{'':>15} mean TTFT error {c.predicted_mean_ms - c.measured_mean_ms:+.1f} ms = "
+            f"queueing {c.queue.mean_error_ms:+.1f} + service {c.service.mean_error_ms:+.1f} ms; "
+            f"p50 queueing {c.queue.measured_p50_ms:.1f} vs {c.queue.predicted_p50_ms:.1f}, "
+            f"service {c.service.measured_p50_ms:.1f} vs {c.service.predicted_p50_ms:.1f} ms"
+        )
+    return lines
 
 
 def format_report(report: ValidationReport) -> str:
     """Human-readable lines (measured = the demo on this host; predicted = the simulator)."""
-    fit = report.fit
+    routes = report.routes
     lines = [
         f"simulator vs live demo ({report.source}): {report.requests} requests, links "
         f"emulated at {report.dilation:g}x dilation",
-        f"prefill fit: {fit.a_ms:.1f} + {fit.b_ms_per_token:.4f} s + {fit.c_ms_per_token2:.3g} "
-        f"s^2 ms (rms residual {fit.rms_ms:.1f} ms over {fit.points} requests); decode "
-        f"{report.decode_step_ms:.2f} ms/token",
+        f"calibration ({report.calibration.source}): {report.calibration.describe()}",
     ]
-    for c in (report.in_sample, report.cross_validated):
-        lines.append(
-            f"{c.label:>15} ({c.requests} req): TTFT p50 measured {c.measured_p50_ms:,.1f} ms, "
-            f"predicted {c.predicted_p50_ms:,.1f} ms, error {100 * c.p50_error:+.1f}%; p90 "
-            f"{c.measured_p90_ms:,.1f} vs {c.predicted_p90_ms:,.1f} ms, "
-            f"error {100 * c.p90_error:+.1f}%"
-        )
+    if report.calibration.model == "contention":
+        state = "converged" if report.converged else "NOT converged"
+        lines.append(f"contention fixed point {state} after {report.iterations} simulations")
+    lines += _comparison_lines(report.in_sample)
+    lines += _comparison_lines(report.cross_validated)
     lines.append(
-        f"transports measured {report.transports_measured}, predicted {report.transports_predicted}"
+        f"transports measured {report.transports_measured}, predicted "
+        f"{report.transports_predicted}; per request: same transport {routes.transport}/"
+        f"{routes.requests}, same prefill worker {routes.prefill_worker}/"
+        f"{routes.compared_workers}, same decode worker {routes.decode_worker}/"
+        f"{routes.compared_workers}"
     )
     verdict = "within" if report.within_target else "NOT within"
     lines.append(
-        f"TTFT p50 error {verdict} the {TARGET_ERROR:.0%} target ({report.in_sample.label})"
+        f"TTFT p50 error {verdict} the {TARGET_ERROR:.0%} target "
+        f"({report.in_sample.label.replace('_', '-')})"
     )
     return "\n".join(lines)
