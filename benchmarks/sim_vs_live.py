@@ -1,14 +1,17 @@
-"""Simulator vs the live demo (issue #7 item 7b): run ``topkv demo``, then the simulator.
+"""Simulator vs the live demo (issue #7 item 7b): run ``topkv demo --json``, then predict it.
 
-Runs the live demo (real worker processes, emulated links) on N requests, writes the same
-JSON as ``topkv demo --json`` plus a few per-request fields the demo measures but does not
-print (nominal arrival, prompt length, workers, prefill queueing, decode time: see
-:data:`EXTRA_FIELDS`), then configures the simulator as that local cluster, calibrated
-from the same run, and prints predicted vs measured TTFT p50/p90 with the error, and the
-cross-validated error (compute calibrated on even request ids, TTFT compared on odd ids).
+Runs the live demo (real worker processes, emulated links, the relay orchestrator) on N
+requests and keeps its ``--json`` output as the record (it carries each request's
+arrival, prompt length, route, queueing and decode time), noting the host's load average
+before and after: outside load changes the demo's times and is no input of the simulator.
+Then the simulator, configured as that local cluster, predicts the run with both prefill
+models (``quadratic``; ``contention``, a model of this CPU host) in-sample and
+cross-validated (calibrated on even ids, compared on odd ids), and with the calibration of
+each ``--calibrate-from`` record (cross-run).
 
     .venv/bin/python benchmarks/sim_vs_live.py [--requests 50] [--out /tmp/demo.json]
     .venv/bin/python benchmarks/sim_vs_live.py --demo-json /tmp/demo.json   # sim only
+    .venv/bin/python benchmarks/sim_vs_live.py --demo-json A.json --calibrate-from B.json
 
 Measured figures are wall-clock on this host; the links are emulated (time-dilated).
 """
@@ -16,59 +19,49 @@ Measured figures are wall-clock on this host; the links are emulated (time-dilat
 from __future__ import annotations
 
 import argparse
-import json
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
-
-#: Per-request fields this script adds to the demo's JSON (the demo measures them).
-EXTRA_FIELDS = ("arrival_ms", "prompt_len", "prefill_worker", "decode_worker", "queue_ms",
-                "decode_ms")  # fmt: skip
 
 
-def record_demo(requests: int, seed: int, speedup: float, dilation: float) -> dict[str, Any]:
-    """One live demo run: ``topkv demo --json``'s payload plus :data:`EXTRA_FIELDS`."""
-    from topkv.demo.report import request_json, summarize
-    from topkv.demo.runner import DemoOptions, DemoRun
-
-    options = DemoOptions(requests=requests, seed=seed, speedup=speedup, dilation=dilation)
+def record_demo(requests: int, out: Path) -> None:
+    """One live ``topkv demo --requests N --json`` run, its stdout written to ``out``."""
+    topkv = Path(sys.executable).with_name("topkv")
+    before = os.getloadavg()[0]
     started = time.perf_counter()
-    run = DemoRun(options)
-    results = run.run()
-    summary = summarize(results, options, time.perf_counter() - started, run.model_id)
-    rows = []
-    for result in results:
-        row = request_json(result)
-        state = run.states[result.id]
-        row["arrival_ms"] = round(state.request.arrival_s * 1e3, 3)
-        row["prompt_len"] = state.request.prompt_len
-        row["prefill_worker"] = state.prefill_worker
-        row["decode_worker"] = state.decode_worker
-        if state.prefill is not None:
-            row["queue_ms"] = round((state.prefill.forward_start_s - state.arrival_s) * 1e3, 3)
-        if state.decoded is not None:
-            decoded = state.decoded
-            row["decode_ms"] = round((decoded.decode_end_s - decoded.decode_start_s) * 1e3, 3)
-        rows.append(row)
-    options_json = {"requests": requests, "seed": seed, "speedup": speedup,
-                    "dilation": dilation, "new_tokens": options.new_tokens}  # fmt: skip
-    return {"requests": rows, "summary": summary, "options": options_json}
+    with out.open("w", encoding="utf-8") as stream:
+        done = subprocess.run(
+            [str(topkv), "demo", "--requests", str(requests), "--json"],
+            stdout=stream,
+            stderr=subprocess.DEVNULL,
+            check=False,
+        )
+    after = os.getloadavg()[0]
+    print(
+        f"demo: {requests} requests in {time.perf_counter() - started:.1f} s, exit "
+        f"{done.returncode}; load average (1 min) {before:.2f} before, {after:.2f} after; "
+        f"record {out}",
+        file=sys.stderr,
+    )
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=50)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--speedup", type=float, default=1.5)
-    parser.add_argument("--dilation", type=float, default=3000.0)
     parser.add_argument("--out", type=Path, default=Path("/tmp/topkv-demo-record.json"))
     parser.add_argument("--demo-json", type=Path, help="skip the demo; validate this record")
     parser.add_argument(
-        "--calibrate-from", type=Path, help="also predict with the calibration of this record"
+        "--calibrate-from",
+        type=Path,
+        action="append",
+        default=[],
+        help="also predict with the calibration of this record (repeatable)",
     )
     args = parser.parse_args()
     from topkv.sim.validate_live import (
+        PREFILL_MODELS,
         DemoRecord,
         ValidationOptions,
         calibration_from,
@@ -76,22 +69,30 @@ def main() -> int:
         validate_against_demo,
     )
 
-    if args.demo_json is None:
-        print(f"running the live demo on {args.requests} requests ...", file=sys.stderr)
-        payload = record_demo(args.requests, args.seed, args.speedup, args.dilation)
-        args.out.write_text(json.dumps(payload, indent=1, allow_nan=False) + "\n")
-        print(f"demo record written to {args.out}", file=sys.stderr)
+    path = args.demo_json
+    if path is None:
+        record_demo(args.requests, args.out)
         path = args.out
-    else:
-        path = args.demo_json
     record = DemoRecord.load(path)
-    options = ValidationOptions(seed=args.seed, speedup=args.speedup)
-    report = validate_against_demo(record, options)
-    print(format_report(report))
-    if args.calibrate_from is not None:
-        other = calibration_from(DemoRecord.load(args.calibrate_from), options)
-        print(f"\n-- calibrated on {args.calibrate_from} (another run) --")
-        print(format_report(validate_against_demo(record, other)))
+    for model in PREFILL_MODELS:
+        if model == "contention" and not record.has_timeline:
+            print("\n(no contention model: the record lacks the demo's timeline fields)")
+            continue
+        options = ValidationOptions(prefill_model=model)
+        print(f"\n== prefill model: {model} ==")
+        print(format_report(validate_against_demo(record, options)))
+        for other in args.calibrate_from:
+            other_record = DemoRecord.load(other)
+            if model == "contention" and not other_record.has_timeline:
+                continue
+            report = validate_against_demo(record, calibration_from(other_record, options))
+            c = report.in_sample
+            print(
+                f"cross-run, calibrated on {other}: TTFT p50 {c.measured_p50_ms:,.1f} vs "
+                f"{c.predicted_p50_ms:,.1f} ms ({100 * c.p50_error:+.1f}%), p90 "
+                f"{c.measured_p90_ms:,.1f} vs {c.predicted_p90_ms:,.1f} ms "
+                f"({100 * c.p90_error:+.1f}%)"
+            )
     return 0
 
 
