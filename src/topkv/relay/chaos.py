@@ -709,13 +709,14 @@ class _ProcessRun:
     # -- accounting ------------------------------------------------------------------------
 
     async def stranded(self) -> dict[str, int]:
-        held = 0
+        held = injected = 0
         for info in self.registry.workers():
             url = f"{info.control_url.rstrip('/')}/v1/info"
             payload = await asyncio.to_thread(http_json, "GET", url)
             held += int(payload["held"]) + int(payload["receiving"]) + int(payload["sending"])
             faults = payload.get("faults") or {}
-            self.report.injected_corruptions += int(faults.get("corruptions_injected", 0))
+            injected += int(faults.get("corruptions_injected", 0))
+        self.report.injected_corruptions = injected
         return {
             "worker_kv": held,
             "active_transfers": self.orch.transfers.active_count,
@@ -725,6 +726,20 @@ class _ProcessRun:
             ),
             "shm_segments": self.shm_segments(),
         }
+
+    async def settled_stranded(self, settle_s: float = 10.0) -> dict[str, int]:
+        """What is still held once asynchronous releases had ``settle_s`` to finish.
+
+        Right after the last request ends, a cancelled attempt may still be unwinding on a
+        worker (its send or receive is torn down asynchronously). Such a resource is not
+        stranded; one still held after the settle window is, and is reported.
+        """
+        deadline = time.perf_counter() + settle_s
+        detail = await self.stranded()
+        while sum(detail.values()) and time.perf_counter() < deadline:
+            await asyncio.sleep(0.2)
+            detail = await self.stranded()
+        return detail
 
     def shm_segments(self) -> int:
         pids = [os.getpid(), *(p.pid for p in self.cluster.supervisor.processes)]
@@ -772,7 +787,7 @@ async def _run_processes(config: ChaosConfig) -> ChaosReport:
                 await asyncio.wait(set(run.tasks), timeout=60.0)
             report.lost += config.transfers - len(run.ended)
             run.tally()
-            detail = await run.stranded()
+            detail = await run.settled_stranded()
         await run.executor.close()
     finally:
         await asyncio.to_thread(cluster.stop)  # SIGTERM: workers deregister here, then exit
