@@ -84,7 +84,7 @@ from topkv.transport.receiving import (
     read_message,
     status_for,
 )
-from topkv.transport.sending import check_layer
+from topkv.transport.sending import QueuedOutgoing, check_layer
 from topkv.transport.sockio import recv_exactly, send_buffers
 
 log = logging.getLogger(__name__)
@@ -686,44 +686,26 @@ class _Connection:
 _FINISH = object()
 
 
-class _EngineOutgoing(OutgoingTransfer):
+class _EngineOutgoing(QueuedOutgoing[EngineLayer]):
     def __init__(self, conn: _Connection, descriptor: TransferDescriptor) -> None:
-        self.descriptor = descriptor
+        super().__init__(descriptor)
         self._conn = conn
         self._engine = conn.source.engine
         self._queue: queue.SimpleQueue[EngineLayer | object] = queue.SimpleQueue()
-        self._future: Future[TransferResult] = Future()
-        self._future.set_running_or_notify_cancel()
-        self._lock = threading.Lock()
-        self._queued: set[int] = set()
-        self._finished = False
         self._started = time.perf_counter()
         self._replies = conn.expect(descriptor.request_id)
         with conn.lock:
             conn.outgoing.add(self)
         threading.Thread(target=self._run, name=f"{conn.source.name}-send", daemon=True).start()
 
-    def send_layer(
-        self, layer: int, tensors: Sequence[Any], crcs: Sequence[int] | None = None
-    ) -> None:
-        item = self._engine.check(self.descriptor, layer, tensors, crcs)
-        with self._lock:
-            if self._finished:
-                raise TransportError("send_layer() after finish()")
-            if layer in self._queued:
-                raise FrameRejected(f"layer {layer} queued twice")
-            self._queued.add(layer)
+    def _check(self, layer: int, tensors: Sequence[Any], crcs: Sequence[int] | None) -> EngineLayer:
+        return self._engine.check(self.descriptor, layer, tensors, crcs)
+
+    def _enqueue(self, item: EngineLayer) -> None:
         self._queue.put(item)
 
-    def finish(self) -> Future[TransferResult]:
-        with self._lock:
-            if not self._finished:
-                self._finished = True
-                missing = self.descriptor.layout.num_layers - len(self._queued)
-                if missing:
-                    self._fail(FrameRejected(f"finish() with {missing} layers not sent"))
-                self._queue.put(_FINISH)
-        return self._future
+    def _enqueue_finish(self) -> None:
+        self._queue.put(_FINISH)
 
     def cancel(self) -> None:
         if self._fail(TransferCancelled(f"request {self.descriptor.request_id} cancelled")):

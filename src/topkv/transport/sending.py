@@ -1,13 +1,17 @@
-"""Send-side pieces shared by every transport: checking and checksumming queued layers."""
+"""Send-side pieces shared by every transport: checking, queueing and checksumming layers."""
 
 from __future__ import annotations
 
+import threading
+from abc import abstractmethod
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from topkv.transport import framing
-from topkv.transport.base import Buffer, TransferDescriptor
-from topkv.transport.errors import FrameRejected
+from topkv.transport.base import Buffer, OutgoingTransfer, TransferDescriptor, TransferResult
+from topkv.transport.errors import FrameRejected, TransportError
 
 
 @dataclass(frozen=True)
@@ -59,3 +63,63 @@ def layer_crcs(item: LayerItem) -> tuple[int, ...]:
     if item.crcs is not None:
         return item.crcs
     return tuple(framing.crc64(view) for view in item.tensors)
+
+
+ItemT = TypeVar("ItemT")
+
+
+class QueuedOutgoing(OutgoingTransfer, Generic[ItemT]):
+    """An outgoing transfer whose ``send_layer`` hands checked layers to worker threads.
+
+    Holds the bookkeeping every queueing transport shares: each layer queued once,
+    nothing after ``finish()``, and ``finish()`` failing the transfer when layers are
+    missing before it queues the finish marker. Subclasses supply the hooks: how a call
+    is checked (:meth:`_check`), where items and the marker go (:meth:`_enqueue`,
+    :meth:`_enqueue_finish`) and how the first error is recorded (:meth:`_fail`).
+    """
+
+    def __init__(self, descriptor: TransferDescriptor) -> None:
+        self.descriptor = descriptor
+        self._future: Future[TransferResult] = Future()
+        self._future.set_running_or_notify_cancel()
+        self._lock = threading.RLock()  # reentrant: finish() calls _fail() while holding it
+        self._queued: set[int] = set()
+        self._finished = False
+
+    @abstractmethod
+    def _check(self, layer: int, tensors: Sequence[Buffer], crcs: Sequence[int] | None) -> ItemT:
+        """Validate a ``send_layer`` call (raises ``FrameRejected``) into a queue item."""
+
+    @abstractmethod
+    def _enqueue(self, item: ItemT) -> None:
+        """Hand a checked layer to the sending side."""
+
+    @abstractmethod
+    def _enqueue_finish(self) -> None:
+        """Tell the sending side that no more layers will come."""
+
+    @abstractmethod
+    def _fail(self, error: BaseException) -> object:
+        """Record ``error`` as the transfer's outcome unless one is already recorded."""
+
+    def send_layer(
+        self, layer: int, tensors: Sequence[Buffer], crcs: Sequence[int] | None = None
+    ) -> None:
+        item = self._check(layer, tensors, crcs)
+        with self._lock:
+            if self._finished:
+                raise TransportError("send_layer() after finish()")
+            if layer in self._queued:
+                raise FrameRejected(f"layer {layer} queued twice")
+            self._queued.add(layer)
+        self._enqueue(item)
+
+    def finish(self) -> Future[TransferResult]:
+        with self._lock:
+            if not self._finished:
+                self._finished = True
+                missing = self.descriptor.layout.num_layers - len(self._queued)
+                if missing:
+                    self._fail(FrameRejected(f"finish() with {missing} layers not sent"))
+                self._enqueue_finish()
+        return self._future

@@ -76,7 +76,7 @@ from topkv.transport.receiving import (
     read_message,
     status_for,
 )
-from topkv.transport.sending import LayerItem, check_layer
+from topkv.transport.sending import LayerItem, QueuedOutgoing, check_layer
 from topkv.transport.sockio import send_buffers
 
 log = logging.getLogger(__name__)
@@ -331,42 +331,26 @@ class _Connection:
 _FINISH = object()
 
 
-class _ShmOutgoing(OutgoingTransfer):
+class _ShmOutgoing(QueuedOutgoing[LayerItem]):
     def __init__(self, conn: _Connection, descriptor: TransferDescriptor) -> None:
-        self.descriptor = descriptor
+        super().__init__(descriptor)
         self._conn = conn
         self._queue: queue.SimpleQueue[LayerItem | object] = queue.SimpleQueue()
-        self._future: Future[TransferResult] = Future()
-        self._future.set_running_or_notify_cancel()
         self._cancelled = threading.Event()
-        self._lock = threading.RLock()
-        self._queued: set[int] = set()
         self._error: BaseException | None = None
-        self._finished = False
         self._started = time.perf_counter()
         threading.Thread(target=self._run, name="shm-send", daemon=True).start()
 
-    def send_layer(
-        self, layer: int, tensors: Sequence[Buffer], crcs: Sequence[int] | None = None
-    ) -> None:
-        item = check_layer(self.descriptor, layer, tensors, crcs)
-        with self._lock:
-            if self._finished:
-                raise TransportError("send_layer() after finish()")
-            if layer in self._queued:
-                raise FrameRejected(f"layer {layer} queued twice")
-            self._queued.add(layer)
+    def _check(
+        self, layer: int, tensors: Sequence[Buffer], crcs: Sequence[int] | None
+    ) -> LayerItem:
+        return check_layer(self.descriptor, layer, tensors, crcs)
+
+    def _enqueue(self, item: LayerItem) -> None:
         self._queue.put(item)
 
-    def finish(self) -> Future[TransferResult]:
-        with self._lock:
-            if not self._finished:
-                self._finished = True
-                missing = self.descriptor.layout.num_layers - len(self._queued)
-                if missing:
-                    self._fail(FrameRejected(f"finish() with {missing} layers not sent"))
-                self._queue.put(_FINISH)
-        return self._future
+    def _enqueue_finish(self) -> None:
+        self._queue.put(_FINISH)
 
     def cancel(self) -> None:
         self._cancelled.set()

@@ -63,7 +63,7 @@ from topkv.transport.receiving import (
     recv_verified,
     status_for,
 )
-from topkv.transport.sending import LayerItem, check_layer, layer_crcs
+from topkv.transport.sending import LayerItem, QueuedOutgoing, check_layer, layer_crcs
 from topkv.transport.sockio import recv_exactly, send_buffers, set_io_timeout
 
 log = logging.getLogger(__name__)
@@ -399,23 +399,18 @@ class _Pool:
 _FINISH = object()
 
 
-class _TcpOutgoing(OutgoingTransfer):
+class _TcpOutgoing(QueuedOutgoing[LayerItem]):
     def __init__(self, source: TcpSource, descriptor: TransferDescriptor, destination: str):
-        self.descriptor = descriptor
+        super().__init__(descriptor)
         self._source = source
         self._dest = parse_tcp_address(destination)
         self._streams = max(1, min(source.streams, descriptor.layout.num_layers))
         self._queues: list[queue.SimpleQueue[LayerItem | object]] = [
             queue.SimpleQueue() for _ in range(self._streams)
         ]
-        self._future: Future[TransferResult] = Future()
-        self._future.set_running_or_notify_cancel()
         self._cancelled = threading.Event()
-        self._lock = threading.RLock()
         self._streams_left = self._streams
         self._error: BaseException | None = None
-        self._sent_layers: set[int] = set()
-        self._finished = False
         self._started = time.perf_counter()
         self._header = framing.encode_transfer_header(descriptor, self._streams)
         # Checksum stage: computes the CRCs of layer l+1 while a stream sends layer l (the
@@ -428,35 +423,24 @@ class _TcpOutgoing(OutgoingTransfer):
                 target=self._run_stream, args=(index,), name="tcp-send", daemon=True
             ).start()
 
-    def send_layer(
-        self, layer: int, tensors: Sequence[Buffer], crcs: Sequence[int] | None = None
-    ) -> None:
-        item = check_layer(self.descriptor, layer, tensors, crcs)
-        with self._lock:
-            if self._finished:
-                raise TransportError("send_layer() after finish()")
-            if layer in self._sent_layers:
-                raise FrameRejected(f"layer {layer} queued twice")
-            self._sent_layers.add(layer)
+    def _check(
+        self, layer: int, tensors: Sequence[Buffer], crcs: Sequence[int] | None
+    ) -> LayerItem:
+        return check_layer(self.descriptor, layer, tensors, crcs)
+
+    def _enqueue(self, item: LayerItem) -> None:
         self._pending.put(item)
 
-    def finish(self) -> Future[TransferResult]:
-        with self._lock:
-            if not self._finished:
-                self._finished = True
-                missing = self.descriptor.layout.num_layers - len(self._sent_layers)
-                if missing:
-                    self._set_error(FrameRejected(f"finish() with {missing} layers not sent"))
-                self._pending.put(_FINISH)
-        return self._future
+    def _enqueue_finish(self) -> None:
+        self._pending.put(_FINISH)
 
     def cancel(self) -> None:
         self._cancelled.set()
-        self._set_error(TransferCancelled(f"request {self.descriptor.request_id} cancelled"))
+        self._fail(TransferCancelled(f"request {self.descriptor.request_id} cancelled"))
         for q in self._queues:
             q.put(_FINISH)
 
-    def _set_error(self, error: BaseException) -> None:
+    def _fail(self, error: BaseException) -> None:
         """Record the first error; every stream stops at its next layer boundary."""
         with self._lock:
             if self._error is None:
@@ -513,9 +497,9 @@ class _TcpOutgoing(OutgoingTransfer):
         except TransportError as exc:
             if sock is not None and not reusable:
                 exc = _explain(sock, exc)
-            self._set_error(exc)
+            self._fail(exc)
         except OSError as exc:
-            self._set_error(PeerDied(f"tcp connection failed: {exc}"))
+            self._fail(PeerDied(f"tcp connection failed: {exc}"))
         finally:
             if sock is not None:
                 if reusable and not self._cancelled.is_set():
