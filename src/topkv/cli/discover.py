@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +40,34 @@ FILE_FLAGS: dict[str, str] = {
 
 def _file_opt(kind: str) -> Any:
     return typer.Option(None, f"--{kind}", help=f"Saved output of the {kind} probe.")
+
+
+def _with_probe_file_options(command: Callable[..., None]) -> Callable[..., None]:
+    """Give a typer command one ``--<kind>`` Path option per probe kind in :data:`FILE_FLAGS`.
+
+    The command declares ``files: dict[str, Path | None] | None = None`` in place of the
+    fifteen options and receives them there, keyed like :data:`FILE_FLAGS`; typer sees
+    the options in the wrapper's signature (in :data:`FILE_FLAGS` order, after the
+    command's own).
+    """
+    own = inspect.signature(command, eval_str=True)
+    file_options = [
+        inspect.Parameter(
+            key, inspect.Parameter.KEYWORD_ONLY, default=_file_opt(kind), annotation=Path | None
+        )
+        for key, kind in FILE_FLAGS.items()
+    ]
+
+    @functools.wraps(command)
+    def with_files(**options: Any) -> None:
+        files = {key: options.pop(key) for key in FILE_FLAGS}
+        command(**options, files=files)
+
+    parameters = [p for p in own.parameters.values() if p.name != "files"]
+    with_files.__signature__ = own.replace(  # type: ignore[attr-defined]
+        parameters=[*parameters, *file_options]
+    )
+    return with_files
 
 
 def _node_from_options(
@@ -86,6 +117,7 @@ def _summary(node: Node) -> str:
 
 def register(app: typer.Typer) -> None:
     @app.command("discover")
+    @_with_probe_file_options
     def discover_command(
         from_dir: Path | None = typer.Option(
             None, "--from", help="Directory of saved tool outputs (see docs/topology.md)."
@@ -95,54 +127,25 @@ def register(app: typer.Typer) -> None:
             None, "--gpu-name", help="GPU model when the outputs do not name it (H100, B200)."
         ),
         as_json: bool = typer.Option(False, "--json", help="Print the topology as JSON."),
-        nvidia_smi_topo: Path | None = _file_opt("nvidia-smi-topo"),
-        nvlink: Path | None = _file_opt("nvlink"),
-        nvlink_remote: Path | None = _file_opt("nvlink-remote"),
-        fabric: Path | None = _file_opt("fabric"),
-        lspci: Path | None = _file_opt("lspci"),
-        lspci_vvv: Path | None = _file_opt("lspci-vvv"),
-        ibstat: Path | None = _file_opt("ibstat"),
-        ibv_devinfo: Path | None = _file_opt("ibv-devinfo"),
-        ibstatus: Path | None = _file_opt("ibstatus"),
-        ibdev2netdev: Path | None = _file_opt("ibdev2netdev"),
-        rdma_link: Path | None = _file_opt("rdma-link"),
-        numactl: Path | None = _file_opt("numactl"),
-        lscpu: Path | None = _file_opt("lscpu"),
-        rocm_smi: Path | None = _file_opt("rocm-smi"),
-        k8s_node: Path | None = _file_opt("k8s-node"),
+        files: dict[str, Path | None] | None = None,
     ) -> None:
         """Discover a node's topology: GPUs, NICs, NUMA, links and NVLink domains."""
-        files = {k: v for k, v in locals().items() if k in FILE_FLAGS}
-        node = _node_from_options(from_dir, name, gpu_name, files)
+        node = _node_from_options(from_dir, name, gpu_name, files or {})
         if as_json:
             typer.echo(json.dumps(Cluster(nodes=[node]).model_dump(mode="json"), indent=2))
         else:
             Console(soft_wrap=True).print(_summary(node), markup=False, highlight=False)
 
     @app.command("nic-map")
+    @_with_probe_file_options
     def nic_map_command(
         fmt: str = typer.Option(..., "--format", help="ucx | nccl | mooncake | sglang"),
         from_dir: Path | None = typer.Option(None, "--from", help="Directory of saved outputs."),
         name: str | None = typer.Option(None, "--name", help="Node name."),
-        nvidia_smi_topo: Path | None = _file_opt("nvidia-smi-topo"),
-        nvlink: Path | None = _file_opt("nvlink"),
-        nvlink_remote: Path | None = _file_opt("nvlink-remote"),
-        fabric: Path | None = _file_opt("fabric"),
-        lspci: Path | None = _file_opt("lspci"),
-        lspci_vvv: Path | None = _file_opt("lspci-vvv"),
-        ibstat: Path | None = _file_opt("ibstat"),
-        ibv_devinfo: Path | None = _file_opt("ibv-devinfo"),
-        ibstatus: Path | None = _file_opt("ibstatus"),
-        ibdev2netdev: Path | None = _file_opt("ibdev2netdev"),
-        rdma_link: Path | None = _file_opt("rdma-link"),
-        numactl: Path | None = _file_opt("numactl"),
-        lscpu: Path | None = _file_opt("lscpu"),
-        rocm_smi: Path | None = _file_opt("rocm-smi"),
-        k8s_node: Path | None = _file_opt("k8s-node"),
+        files: dict[str, Path | None] | None = None,
     ) -> None:
         """Print each GPU's nearest NIC(s) in UCX, NCCL, Mooncake or SGLang format."""
         if fmt not in FORMATS:
             raise ConfigError(f"--format {fmt!r}: choose one of {', '.join(FORMATS)}")
-        files = {k: v for k, v in locals().items() if k in FILE_FLAGS}
-        node = _node_from_options(from_dir, name, None, files)
+        node = _node_from_options(from_dir, name, None, files or {})
         typer.echo(render(node, fmt))
