@@ -26,7 +26,7 @@ def test_processes_run_meets_every_condition(tmp_path: Path) -> None:
         "from topkv.cli.main import app; app()",
         "chaos",
         "--transfers",
-        "60",
+        "100",
         "--size",
         "256KiB",
         "--corrupt-rate",
@@ -44,7 +44,7 @@ def test_processes_run_meets_every_condition(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert list(report) == list(REPORT_KEYS)
-    assert report["submitted"] == 60
+    assert report["submitted"] == 100
     assert report["lost"] == 0
     assert report["corrupt_delivered"] == 0
     assert report["stranded_after"] == 0

@@ -722,7 +722,7 @@ class _ProcessRun:
             "active_transfers": self.orch.transfers.active_count,
             "decode_slots": sum(self.orch.slots_used(w.worker_id) for w in self._infos("decode")),
             "registry_entries_of_killed": int(
-                bool(self.victim_id) and self.registry.get(self.victim_id) is not None
+                self.report.killed is not None and self.registry.get(self.victim_id) is not None
             ),
             "shm_segments": self.shm_segments(),
         }
