@@ -1,8 +1,8 @@
 """Shared-memory transport between processes on one host: one copy, read in place.
 
 The sender copies each layer into a segment in ``/dev/shm`` that the receiver has mapped,
-fusing the CRC-64 into the copy (each 1 MiB chunk of the *source* is checksummed and then
-copied while it is in cache, so the receiver's check covers the copy too); the receiver
+fusing the CRC-64 of the *source* into the copy (:mod:`topkv.transport.copying`: one pass
+in C when the extension is built), so the receiver's check covers the copy too; the receiver
 verifies each layer in place as its header arrives and hands out read-only views *into the
 segment* (no second copy). A unix socket carries the control records (transfer header,
 per-layer frame headers, acks, releases) and the same HMAC handshake as TCP.
@@ -40,8 +40,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-
 from topkv.transport import framing
 from topkv.transport.base import (
     Buffer,
@@ -55,6 +53,7 @@ from topkv.transport.base import (
     TransferSource,
     TransportMode,
 )
+from topkv.transport.copying import copy_into, copy_with_crc
 from topkv.transport.errors import (
     AuthenticationFailed,
     ChecksumMismatch,
@@ -116,40 +115,6 @@ def segments_of(pid: int, directory: Path = SEGMENT_DIR) -> list[str]:
     with contextlib.suppress(FileNotFoundError):
         return sorted(e.name for e in os.scandir(directory) if e.name.startswith(prefix))
     return []
-
-
-#: Bytes per step of :func:`copy_with_crc`: small enough that the chunk is still in the
-#: core's L2 cache when it is copied right after its CRC was computed.
-COPY_CHUNK = 1 << 20
-
-
-def _copy_chunk(dst: np.ndarray, src: np.ndarray) -> None:
-    """Copy one chunk (numpy, GIL released); a seam for tests that break the copy."""
-    np.copyto(dst, src)
-
-
-def copy_with_crc(dst: memoryview, src: memoryview, chunk: int = COPY_CHUNK) -> int:
-    """Copy ``src`` into ``dst`` and return the CRC-64 of the *source*, in one pass over memory.
-
-    Each ``chunk`` of the source is checksummed and then copied while it is hot in cache,
-    so the CRC costs about a cache read instead of a second trip to memory. The CRC is the
-    producer's data's, not the destination's: the receiver's check of the destination then
-    also proves that the copy itself was right (end to end), which a CRC taken from the
-    destination after the copy would not.
-    """
-    source = np.frombuffer(src, dtype=np.uint8)
-    target = np.frombuffer(dst, dtype=np.uint8)
-    crc = 0
-    for start in range(0, source.size, chunk):
-        piece = source[start : start + chunk]
-        crc = framing.crc64(piece, crc)
-        _copy_chunk(target[start : start + chunk], piece)
-    return crc
-
-
-def copy_into(dst: memoryview, src: memoryview) -> None:
-    """Copy without a checksum (numpy, GIL released)."""
-    np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
 
 
 def parse_shm_address(address: str) -> str:
