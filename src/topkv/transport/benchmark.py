@@ -36,6 +36,7 @@ from topkv.transport.base import (
     TransferSource,
     TransportMode,
 )
+from topkv.transport.copying import copy_path
 from topkv.transport.emulated import EmulatedSource, dilation_for
 from topkv.transport.errors import TransportError
 from topkv.transport.shm import ShmSink
@@ -244,6 +245,8 @@ def _run(config: BenchConfig, variants: tuple[str, ...]) -> dict[str, Any]:
                 "crcs_by": variant if verify else None,
                 "emulated": info.emulated,
             }
+            if medium == "shm":
+                report["copy"] = copy_path()
             if isinstance(source, EmulatedSource):
                 report["limit_gbps"] = source.link.bandwidth_gbps
                 report["ratio_to_limit"] = round(gbps / source.link.bandwidth_gbps, 3)
@@ -295,5 +298,6 @@ def crc_overhead_report(config: BenchConfig) -> dict[str, Any]:
         "ratio_unverified": off["ratio_to_limit"],
         "crc_overhead": round(off["gbps"] / on["gbps"] - 1, 3),
         "crc_overhead_supplied": round(off["gbps"] / given["gbps"] - 1, 3),
+        **({"copy": on["copy"]} if "copy" in on else {}),
         "load_average": round(os.getloadavg()[0], 2),
     }
