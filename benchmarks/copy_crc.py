@@ -1,6 +1,6 @@
 """Copy + CRC-64 into a preallocated buffer, one process, against memcpy in the same run.
 
-Usage: python benchmarks/copy.py [--mib 256] [--repeats 7] [--tensor-mib 4]
+Usage: python benchmarks/copy_crc.py [--mib 256] [--repeats 7] [--tensor-mib 4]
 
 What the shm sender does per tensor, isolated from the transport. Rows (median ms, GB/s,
 ratio to memcpy; > 1 is faster than memcpy):
