@@ -137,6 +137,23 @@ SIMD_TARGET static inline __m128i load(const uint8_t *p) {
 }
 
 /*
+ * Four consecutive 128-bit lanes (l3 last) -> one remainder, then the 16-byte blocks from
+ * src[j] on, then the last n % 16 bytes. The remainder A is congruent to the message so
+ * far; a byte-wise CRC of A's 16 bytes and then of the tail gives
+ * (A * x^(8*tail) + tail) * x^64 mod P, i.e. the CRC register.
+ */
+SIMD_TARGET static uint64_t finish_crc(__m128i l0, __m128i l1, __m128i l2, __m128i l3,
+                                       const uint8_t *src, size_t j, size_t n) {
+    __m128i a = _mm_xor_si128(_mm_xor_si128(fold(l0, k384), fold(l1, k256)),
+                              _mm_xor_si128(fold(l2, k128), l3));
+    for (; j + 16 <= n; j += 16) a = _mm_xor_si128(fold(a, k128), load(src + j));
+    uint8_t remainder[16];
+    _mm_storeu_si128((__m128i *)remainder, a);
+    uint64_t reg = crc_bytes(0, remainder, 16);
+    return ~crc_bytes(reg, src + j, n - j);
+}
+
+/*
  * Copy n bytes (dst may be NULL: checksum only) and return CRC-64/NVME continuing from prev.
  * want_crc = 0 turns it into a plain streaming copy.
  */
@@ -175,17 +192,7 @@ SIMD_TARGET static uint64_t copy_crc_simd(uint8_t *dst, const uint8_t *src, size
     if (dst && i < n) memcpy(dst + i, src + i, n - i);
     if (streaming) _mm_sfence();
     if (!want_crc) return 0;
-    /* Four lanes -> one 128-bit remainder, then the leftover 16-byte blocks. */
-    __m128i a = _mm_xor_si128(_mm_xor_si128(fold(a0, k384), fold(a1, k256)),
-                              _mm_xor_si128(fold(a2, k128), a3));
-    size_t j = (n / 64) * 64;
-    for (; j + 16 <= n; j += 16) a = _mm_xor_si128(fold(a, k128), load(src + j));
-    /* A is congruent to the message; a byte-wise CRC of A's 16 bytes then of the tail gives
-     * (A * x^(8*tail) + tail) * x^64 mod P, i.e. the CRC register. */
-    uint8_t remainder[16];
-    _mm_storeu_si128((__m128i *)remainder, a);
-    uint64_t reg = crc_bytes(0, remainder, 16);
-    return ~crc_bytes(reg, src + j, n - j);
+    return finish_crc(a0, a1, a2, a3, src, (n / 64) * 64, n);
 }
 #endif
 
@@ -232,18 +239,9 @@ AVX512_TARGET static uint64_t copy_crc_avx512(uint8_t *dst, const uint8_t *src, 
     /* Four accumulators -> one (each lane lands on the matching lane of the last). */
     __m512i y = _mm512_xor_si512(_mm512_xor_si512(fold512(z[0], k1536), fold512(z[1], k1024)),
                                  _mm512_xor_si512(fold512(z[2], k512), z[3]));
-    /* Four lanes -> one 128-bit remainder. */
-    __m128i a = _mm_xor_si128(
-        _mm_xor_si128(fold(_mm512_extracti32x4_epi32(y, 0), k384),
-                      fold(_mm512_extracti32x4_epi32(y, 1), k256)),
-        _mm_xor_si128(fold(_mm512_extracti32x4_epi32(y, 2), k128),
-                      _mm512_extracti32x4_epi32(y, 3)));
-    size_t j = (n / 256) * 256;
-    for (; j + 16 <= n; j += 16) a = _mm_xor_si128(fold(a, k128), load(src + j));
-    uint8_t remainder[16];
-    _mm_storeu_si128((__m128i *)remainder, a);
-    uint64_t reg = crc_bytes(0, remainder, 16);
-    return ~crc_bytes(reg, src + j, n - j);
+    return finish_crc(_mm512_extracti32x4_epi32(y, 0), _mm512_extracti32x4_epi32(y, 1),
+                      _mm512_extracti32x4_epi32(y, 2), _mm512_extracti32x4_epi32(y, 3), src,
+                      (n / 256) * 256, n);
 }
 #endif
 
