@@ -51,20 +51,19 @@ NATIVE_LEVEL: int | None = _native.LEVEL if _native is not None else None
 
 # Seams: tests replace these to simulate a copy that goes wrong after the CRC was taken.
 
-
-def copy_path() -> str:
-    """Which implementation copies: ``native-avx512``, ``native-pclmul`` or ``fallback``."""
-    if NATIVE_LEVEL is None:
-        return "fallback"
-    return "native-avx512" if NATIVE_LEVEL >= 2 else "native-pclmul"
-
-
 _native_copy_crc: Callable[[memoryview, memoryview, int], int] | None = (
     _native.copy_crc64 if _native is not None else None
 )
 _native_copy: Callable[[memoryview, memoryview], None] | None = (
     _native.copy if _native is not None else None
 )
+
+
+def copy_path() -> str:
+    """Which implementation copies: ``native-avx512``, ``native-pclmul`` or ``fallback``."""
+    if NATIVE_LEVEL is None:
+        return "fallback"
+    return "native-avx512" if NATIVE_LEVEL >= 2 else "native-pclmul"
 
 
 def _copy_chunk(dst: np.ndarray, src: np.ndarray) -> None:
