@@ -12,13 +12,11 @@ import time
 from pathlib import Path
 
 from topkv.kv.catalog import get_model
+from topkv.packaged import SAMPLE_TRACE
 from topkv.sim.cluster import load_cluster_spec
 from topkv.sim.engine import make_loop
 from topkv.sim.runner import POLICIES, SimConfig, run_policy
 from topkv.sim.workload import Request, Workload, head, load_trace, scale_rate
-
-TRACES = Path(__file__).resolve().parents[1] / ".." / "shared" / "traces"
-CONV = TRACES / "azure_2023" / "AzureLLMInferenceTrace_conv.csv"
 
 
 def tiled(workload: Workload, copies: int) -> Workload:
@@ -51,9 +49,16 @@ def _bare_core(kind: str, count: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="smaller runs (smoke test)")
+    parser.add_argument(
+        "--trace",
+        type=Path,
+        default=SAMPLE_TRACE,
+        help="Azure conversation trace CSV (default: the packaged first 4,000 requests; pass "
+        "the full AzureLLMInferenceTrace_conv.csv for the published figures)",
+    )
     args = parser.parse_args()
     model = get_model("Llama-3-70B")
-    conv = load_trace(CONV)
+    conv = load_trace(args.trace)
     if args.quick:
         conv = head(conv, 3000)
 
@@ -97,7 +102,7 @@ def main() -> None:
     )
 
     count = 10_000 if args.quick else 100_000
-    big = head(tiled(scale_rate(load_trace(CONV), 16.0), 6), count)
+    big = head(tiled(scale_rate(load_trace(args.trace), 16.0), 6), count)
     print(f"== 1,024 H100 (dgx-h100:1024), {len(big):,} requests (Azure conv x16 rate, tiled)")
     cfg = SimConfig(model=model, cluster=load_cluster_spec("dgx-h100:1024"))
     for policy in POLICIES:

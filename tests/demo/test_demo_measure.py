@@ -22,9 +22,8 @@ from topkv.demo.workload import load_requests, scale_length
 from topkv.planner import simulate_pipeline
 
 TRACE = (
-    Path(__file__).resolve().parents[2]
-    / ".."
-    / "shared"
+    Path(__file__).resolve().parents[1]
+    / "fixtures"
     / "traces"
     / "azure_2023"
     / "AzureLLMInferenceTrace_conv.csv"

@@ -1,4 +1,4 @@
-"""Topologies for the policy tests, built from ../shared/fixtures ``nvidia-smi topo -m``."""
+"""Topologies for the policy tests, built from tests/fixtures ``nvidia-smi topo -m``."""
 
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ from topkv.topology.detect.nvidia_smi import parse_topo_matrix
 from topkv.topology.model import GPU, NIC, Cluster, Link, Node, NVLinkDomain
 from topkv.topology.paths import make_link, nvlink_count, nvlink_generation_for
 
-SHARED = Path(__file__).resolve().parents[2] / ".." / "shared"
-TOPO_DIR = SHARED / "fixtures" / "nvidia-smi-topo"
+TOPO_DIR = Path(__file__).resolve().parents[1] / "fixtures" / "nvidia-smi-topo"
 
 
 def node_from_topo(fixture: str, name: str, gpu_name: str) -> Node:

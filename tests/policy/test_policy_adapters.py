@@ -13,7 +13,7 @@ from topkv.policy.adapters import cluster_from_json, pair_view_from_cluster
 from topkv.topology.build import discover_from_files
 from topkv.topology.model import Cluster
 
-TOPO_DIR = Path(__file__).resolve().parents[2] / ".." / "shared" / "fixtures" / "nvidia-smi-topo"
+TOPO_DIR = Path(__file__).resolve().parents[1] / "fixtures" / "nvidia-smi-topo"
 
 H100_NV18 = "sglang-30401-h100-8gpu-nv18-8nic.txt"
 H100_NO_NIC = "stas-h100-8gpu-nv18-hyperthreads-no-nic.txt"

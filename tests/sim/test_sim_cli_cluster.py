@@ -21,7 +21,7 @@ from topkv.sim.errors import ClusterSpecError
 from topkv.sim.runner import SimConfig, run_policy
 from topkv.sim.workload import synthetic
 
-TRACES = Path(__file__).resolve().parents[2] / ".." / "shared" / "traces"
+TRACES = Path(__file__).resolve().parents[1] / "fixtures" / "traces"
 POLICY_KEYS = {
     "ttft_p50_ms",
     "ttft_p99_ms",

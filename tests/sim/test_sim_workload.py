@@ -24,7 +24,7 @@ from topkv.sim.workload import (
     synthetic,
 )
 
-TRACES = Path(__file__).resolve().parents[2] / ".." / "shared" / "traces"
+TRACES = Path(__file__).resolve().parents[1] / "fixtures" / "traces"
 
 
 def _slice(src: Path, dst: Path, lines: int) -> Path:

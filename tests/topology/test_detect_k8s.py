@@ -18,7 +18,7 @@ from topkv.topology.detect.k8s import (
     parse_node_labels,
 )
 
-FIXTURES = Path(__file__).resolve().parents[2] / ".." / "shared" / "fixtures" / "k8s-labels"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "k8s-labels"
 
 
 def fixture(name: str) -> str:

@@ -21,7 +21,7 @@ from topkv.topology.detect.numa import (
     parse_numactl_hardware,
 )
 
-FIXTURES = Path(__file__).resolve().parents[2] / ".." / "shared" / "fixtures" / "numa"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "numa"
 
 
 def fixture(name: str) -> str:

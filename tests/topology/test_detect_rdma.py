@@ -1,4 +1,4 @@
-"""RDMA tool parsers: every fixture under shared/fixtures/rdma, pasted variants, fuzzing."""
+"""RDMA tool parsers: every fixture under tests/fixtures/rdma, pasted variants, fuzzing."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from topkv.topology.detect.rdma import (
     parse_rdma_link,
 )
 
-FIXTURES = Path(__file__).resolve().parents[2] / ".." / "shared" / "fixtures" / "rdma"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "rdma"
 
 
 def fixture(name: str) -> str:

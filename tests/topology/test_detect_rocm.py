@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 from topkv.topology.detect.errors import ParseError
 from topkv.topology.detect.rocm import RocmTopology, parse_rocm_smi_showtopo
 
-SHARED = Path(__file__).resolve().parents[2] / ".." / "shared" / "fixtures"
-SHOWTOPO = SHARED / "nvidia-smi-topo" / "rocm-smi-lib-108-4gpu-pcie-showtopo-partial.txt"
-SHOWTOPONUMA = SHARED / "numa" / "rocm-legacy-4740-8gpu-rocm-smi-showtoponuma.txt"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+SHOWTOPO = FIXTURES / "nvidia-smi-topo" / "rocm-smi-lib-108-4gpu-pcie-showtopo-partial.txt"
+SHOWTOPONUMA = FIXTURES / "numa" / "rocm-legacy-4740-8gpu-rocm-smi-showtoponuma.txt"
 
 
 def test_showtopo_four_gpus_all_pcie() -> None:

@@ -20,7 +20,7 @@ from topkv.topology.probes import (
     probe_nvml,
 )
 
-FIXTURES = Path(__file__).resolve().parents[2] / ".." / "shared" / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 TOPO = FIXTURES / "nvidia-smi-topo"
 RUNNER = CliRunner()
 

@@ -15,7 +15,7 @@ from topkv.topology.detect.lspci import (
 )
 from topkv.topology.detect.nvidia_smi import parse_fabric, parse_nvlink, parse_smi_query
 
-FIXTURES = Path(__file__).resolve().parents[2] / ".." / "shared" / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 NVLINK = FIXTURES / "nvlink"
 LSPCI = FIXTURES / "lspci"
 

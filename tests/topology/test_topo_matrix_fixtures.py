@@ -11,7 +11,7 @@ from topkv.topology.detect.errors import NoUsableDriverError, ParseError
 from topkv.topology.detect.nvidia_smi import parse_topo_matrix
 from topkv.topology.paths import nearest_nics
 
-FIXTURES = Path(__file__).resolve().parents[2] / ".." / "shared" / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 TOPO = FIXTURES / "nvidia-smi-topo"
 
 # file -> (GPU count, NIC names, {(a, b): type}, {gpu: nearest NIC names}, NVL8 member count)

@@ -17,7 +17,7 @@ from topkv.topology.detect.nvidia_smi import (
     parse_topo_matrix,
 )
 
-FIXTURES = Path(__file__).resolve().parents[2] / ".." / "shared" / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 SEEDS = [
     p.read_text() for d in ("nvidia-smi-topo", "nvlink", "lspci") for p in (FIXTURES / d).iterdir()
 ]

@@ -13,7 +13,7 @@ from topkv.topology.model import Cluster, TopologyError, Transport
 from topkv.topology.nicmap import render
 from topkv.topology.paths import classify, nvlink_generation_for, path_rank
 
-FIXTURES = Path(__file__).resolve().parents[2] / ".." / "shared" / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 H100 = FIXTURES / "nvidia-smi-topo" / "sglang-30401-h100-8gpu-nv18-8nic.txt"
 
 

@@ -12,6 +12,7 @@ from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedCo
 
 from topkv.errors import ConfigError
 from topkv.kv import get_model, load_hf_config
+from topkv.packaged import SAMPLE_TRACE
 from topkv.sim.cluster import load_cluster_spec
 from topkv.sim.report import SimReport
 from topkv.sim.runner import POLICIES, SimConfig, run_policy
@@ -26,7 +27,14 @@ def _parse_ratio(text: str) -> tuple[int, int]:
 
 
 def sim_command(
-    trace: Path = typer.Option(..., "--trace", "-t", help="Azure CSV, Mooncake JSONL or ServeGen."),
+    trace: Path = typer.Option(
+        SAMPLE_TRACE,
+        "--trace",
+        "-t",
+        help="Azure CSV, Mooncake JSONL or ServeGen; default: the packaged Azure 2023 "
+        "conversation sample (first 4,000 requests).",
+        show_default=False,
+    ),
     cluster: str = typer.Option(
         "4x-dgx-h100",
         "--cluster",

@@ -1,12 +1,12 @@
 """The emulated two-node cluster the demo's workers are placed on.
 
 Both nodes are copies of one real ``nvidia-smi topo -m`` capture of an 8x H100 NV18 server
-(../shared/fixtures). Workers sit on GPUs of it; the selection policy sees the discovered
-paths (NVLink inside a node, RDMA through the nearest NICs across nodes) exactly as it would
-on the real machines. All worker processes actually run on this host, so every path is
-*emulated*: the bytes move over shared memory (same-node paths) or TCP (cross-node paths),
-paced to the chosen path's bandwidth and setup latency, time-dilated (see
-:mod:`topkv.transport.emulated`).
+(shipped in ``topkv/data``, see its README). Workers sit on GPUs of it; the selection
+policy sees the discovered paths (NVLink inside a node, RDMA through the nearest NICs
+across nodes) exactly as it would on the real machines. All worker processes actually run
+on this host, so every path is *emulated*: the bytes move over shared memory (same-node
+paths) or TCP (cross-node paths), paced to the chosen path's bandwidth and setup latency,
+time-dilated (see :mod:`topkv.transport.emulated`).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from topkv.demo.errors import DemoError
+from topkv.packaged import packaged_file
 from topkv.policy import Endpoint, PairView, Selection
 from topkv.policy.adapters import pair_view_from_cluster
 from topkv.relay.workers import Role, WorkerCapabilities, WorkerInfo
@@ -24,7 +25,6 @@ from topkv.topology.model import Cluster
 
 DEFAULT_FIXTURE = "sglang-30401-h100-8gpu-nv18-8nic.txt"
 GPU_NAME = "NVIDIA H100 80GB HBM3"
-FIXTURE_DIR = Path("..") / "shared" / "fixtures" / "nvidia-smi-topo"
 
 #: Media that carry each path class on this host (same host: shm; otherwise tcp).
 MEDIUM_FOR_MODE = {"nvlink": "shm", "nvswitch": "shm", "pcie": "shm", "xgmi": "shm"}
@@ -54,13 +54,16 @@ DEFAULT_PLACEMENTS = (
 
 
 def find_fixture(name: str = DEFAULT_FIXTURE) -> Path:
-    """The fixture file, from ../shared beside the cwd or beside the repository."""
-    repo_root = Path(__file__).resolve().parents[3]
-    for base in (Path.cwd(), repo_root):
-        candidate = (base / FIXTURE_DIR / name).resolve()
-        if candidate.is_file():
-            return candidate
-    raise DemoError(f"cannot find the topology fixture {FIXTURE_DIR / name} beside the repo")
+    """The ``topo -m`` capture: a file shipped in ``topkv/data``, else a path to one."""
+    packaged = packaged_file(name)
+    if packaged is not None:
+        return packaged
+    path = Path(name)
+    if not path.is_file():
+        raise DemoError(
+            f"{name}: no such topology capture (neither a file nor one shipped in topkv/data)"
+        )
+    return path
 
 
 def two_node_cluster(fixture: Path) -> Cluster:

@@ -14,11 +14,12 @@ from pathlib import Path
 
 from topkv.demo.errors import DemoError
 from topkv.errors import ConfigError
+from topkv.packaged import SAMPLE_TRACE
 from topkv.sim.errors import SimError
 from topkv.sim.workload import read_azure_csv
 
-#: Where the trace lives relative to the repository root (shared/ sits beside the repo).
-DEFAULT_TRACE = Path("..") / "shared" / "traces" / "azure_2023" / "AzureLLMInferenceTrace_conv.csv"
+#: The packaged sample: the Azure 2023 conversation trace's first 4,000 requests.
+DEFAULT_TRACE = SAMPLE_TRACE
 
 
 @dataclass(frozen=True)
@@ -34,20 +35,12 @@ class DemoRequest:
 
 
 def find_trace(explicit: Path | None = None) -> Path:
-    """The trace file: ``explicit``, else ../shared/... from the cwd or from this package."""
-    if explicit is not None:
-        if not explicit.is_file():
-            raise DemoError(f"trace {explicit} does not exist; pass --trace FILE")
-        return explicit
-    repo_root = Path(__file__).resolve().parents[3]
-    for base in (Path.cwd(), repo_root):
-        candidate = (base / DEFAULT_TRACE).resolve()
-        if candidate.is_file():
-            return candidate
-    raise DemoError(
-        f"cannot find {DEFAULT_TRACE} beside the repository; pass --trace FILE "
-        "(an Azure LLM inference trace 2023 CSV)"
-    )
+    """The trace file: ``explicit``, else the sample shipped in the package."""
+    if explicit is None:
+        return DEFAULT_TRACE
+    if not explicit.is_file():
+        raise DemoError(f"{explicit}: no such file; pass --trace FILE (an Azure 2023 trace CSV)")
+    return explicit
 
 
 def scale_length(tokens: int, low: int, high: int, min_tokens: int, max_tokens: int) -> int:
