@@ -1,6 +1,6 @@
 """Request workloads: trace readers, synthetic arrivals and rate scaling.
 
-Formats (see ``../shared/traces``):
+Formats (samples in ``topkv/data`` and ``tests/fixtures/traces``):
 
 * Azure LLM inference trace 2023 (code, conversation): CSV with header
   ``TIMESTAMP,ContextTokens,GeneratedTokens``; timestamps are absolute date-times.
