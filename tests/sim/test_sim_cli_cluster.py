@@ -29,6 +29,7 @@ POLICY_KEYS = {
     "goodput_rps",
     "transfer_ms_p50",
     "bytes_by_transport",
+    "rejected",
 }
 
 
@@ -55,8 +56,16 @@ def test_cli_json_keys(tmp_path: Path, trace: str, cluster: str) -> None:
     )
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout.strip().splitlines()[-1])
-    assert set(doc) == {"requests", "sim_seconds", "wall_seconds", "speed_x_realtime", "policies"}
+    assert set(doc) == {
+        "requests",
+        "rejected",
+        "sim_seconds",
+        "wall_seconds",
+        "speed_x_realtime",
+        "policies",
+    }
     assert doc["requests"] == 119 if "azure" in trace else 120
+    assert doc["rejected"] == 0
     assert set(doc["policies"]) == {"uniform-rdma", "paper", "cost"}
     for summary in doc["policies"].values():
         assert set(summary) == POLICY_KEYS

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -10,7 +9,9 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
+from topkv.cli.console import stdout_console
 from topkv.errors import ConfigError
+from topkv.jsonout import dumps
 from topkv.kv import get_model, load_hf_config
 from topkv.packaged import SAMPLE_TRACE
 from topkv.sim.cluster import load_cluster_spec
@@ -125,13 +126,10 @@ def sim_command(
         for path in sim_report.write(report):
             err.print(f"wrote {path}")
     if as_json:
-        typer.echo(json.dumps(sim_report.to_json()))
+        typer.echo(dumps(sim_report.to_json()))
         return
-    Console().print(sim_report.table())
-    typer.echo(
-        f"{len(workload)} requests, {sim_report.sim_seconds:.0f} simulated s in {wall:.2f} s "
-        f"wall ({sim_report.speed_x_realtime:.0f}x real time); figures are simulated."
-    )
+    stdout_console().print(sim_report.table())
+    typer.echo(sim_report.footer())
 
 
 def register(app: typer.Typer) -> None:

@@ -145,9 +145,17 @@ def spec_from_hf_dict(raw: Mapping[str, Any], name: str, source: str) -> ModelSp
         linear_state_bytes_per_layer=linear_state,
         num_experts=num_experts,
         experts_per_token=experts_per_token if num_experts else 0,
+        max_context=_max_context(cfg.raw.get("max_position_embeddings")),
     )
     total, active = _estimate_params(cfg, spec, model_type)
     return replace(spec, num_params=total, active_params=active)
+
+
+def _max_context(value: object) -> int | None:
+    """``max_position_embeddings`` when it is a positive integer; anything else: unknown."""
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    return None
 
 
 def _head_dim(cfg: _Fields, hidden: int, num_heads: int) -> int:

@@ -38,7 +38,9 @@ class ModelSpec:
     ``linear_state_bytes_per_layer`` is the recurrent state (plus convolution state) of one
     linear-attention layer in bytes at 16-bit precision; :meth:`linear_state_bytes` scales
     it to other dtypes. ``num_params`` / ``active_params`` are total and per-token active
-    parameter counts (equal for dense models); ``None`` when unknown.
+    parameter counts (equal for dense models); ``None`` when unknown. ``max_context`` is
+    the longest sequence (prompt + output tokens) the model takes, from the config's
+    ``max_position_embeddings``; ``None`` when unknown (then no length is refused).
     """
 
     name: str
@@ -60,6 +62,7 @@ class ModelSpec:
     active_params: int | None = None
     num_experts: int = 0
     experts_per_token: int = 0
+    max_context: int | None = None
 
     def __post_init__(self) -> None:
         if not self.layer_types:
@@ -87,6 +90,8 @@ class ModelSpec:
                 f"{where}: layer_types has {len(self.layer_types)} entries "
                 f"but num_layers is {self.num_layers}"
             )
+        if self.max_context is not None and self.max_context <= 0:
+            raise ModelConfigError(f"{where}: max_context must be positive when given")
         bad = sorted({t for t in self.layer_types if t not in LAYER_TYPES})
         if bad:
             raise ModelConfigError(f"{where}: unknown layer types {bad}; expected {LAYER_TYPES}")

@@ -4,6 +4,7 @@ Nothing here imports the topology model, sockets or asyncio: callers reduce thei
 the snapshots in :mod:`topkv.policy.view` and get a decision back.
 """
 
+from topkv.policy.admission import Admission, AdmissionLimits, admit
 from topkv.policy.bandwidth import (
     BandwidthEstimator,
     BandwidthReader,
@@ -36,6 +37,8 @@ from topkv.policy.view import (
 
 __all__ = [
     "NO_LOAD",
+    "Admission",
+    "AdmissionLimits",
     "BandwidthEstimator",
     "BandwidthReader",
     "BandwidthReading",
@@ -62,6 +65,7 @@ __all__ = [
     "TransferRequest",
     "TransportSelector",
     "UniformPolicy",
+    "admit",
     "estimate_path",
     "next_after_failure",
     "pair_view_from_facts",

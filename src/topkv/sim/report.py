@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import html
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,7 +13,14 @@ import matplotlib.pyplot as plt
 import numpy as np
 from rich.table import Table
 
+from topkv.jsonout import dumps
+from topkv.policy.admission import KV_EXCEEDS_DECODE_MEMORY, LONGER_THAN_CONTEXT
 from topkv.sim.runner import PolicyResult
+
+_REASON_TEXT = {
+    LONGER_THAN_CONTEXT: "longer than the model's context",
+    KV_EXCEEDS_DECODE_MEMORY: "KV larger than any decode instance's KV memory",
+}
 
 
 @dataclass
@@ -38,10 +44,35 @@ class SimReport:
         simulated = sum(r.sim_seconds for r in self.results)
         return simulated / self.wall_seconds if self.wall_seconds > 0 else 0.0
 
+    @property
+    def rejected(self) -> int:
+        """Requests that can never be served (the same in every run: admission is static)."""
+        return max((r.rejected for r in self.results), default=0)
+
+    @property
+    def rejected_by_reason(self) -> dict[str, int]:
+        worst = max(self.results, key=lambda r: r.rejected, default=None)
+        return dict(sorted(worst.rejected_by_reason.items())) if worst is not None else {}
+
+    def footer(self) -> str:
+        """The lines after the table: request accounting, simulated span and speed."""
+        served = min((r.completed for r in self.results), default=0)
+        reasons = ", ".join(
+            f"{n} {_REASON_TEXT.get(k, k)}" for k, n in self.rejected_by_reason.items() if n
+        )
+        why = f" (never servable: {reasons})" if reasons else ""
+        return (
+            f"{self.requests} requests, {self.sim_seconds:.0f} simulated s in "
+            f"{self.wall_seconds:.2f} s wall ({self.speed_x_realtime:.0f}x real time); "
+            "figures are simulated.\n"
+            f"rejected: {self.rejected} of {self.requests} requests{why}; served: {served}"
+        )
+
     def to_json(self) -> dict[str, object]:
         main = {r.policy: r.summary() for r in self.results if r.pipelining}
         doc: dict[str, object] = {
             "requests": self.requests,
+            "rejected": self.rejected,
             "sim_seconds": self.sim_seconds,
             "wall_seconds": self.wall_seconds,
             "speed_x_realtime": self.speed_x_realtime,
@@ -101,7 +132,7 @@ class SimReport:
         doc["details"] = {
             f"{r.policy}/{'pipe' if r.pipelining else 'nopipe'}": r.details() for r in self.results
         }
-        summary.write_text(json.dumps(doc, indent=2), encoding="utf-8")
+        summary.write_text(dumps(doc, indent=2), encoding="utf-8")
         written.append(summary)
         page = directory / "index.html"
         page.write_text(self._html(doc), encoding="utf-8")
@@ -122,7 +153,8 @@ class SimReport:
         ax.set_ylabel("fraction of requests")
         ax.set_title(f"TTFT CDF: {self.model} on {self.cluster}")
         ax.grid(True, alpha=0.3)
-        ax.legend()
+        if ax.lines:
+            ax.legend()
         fig.tight_layout()
         fig.savefig(path, dpi=110)
         plt.close(fig)
@@ -194,14 +226,15 @@ class SimReport:
             f"<!doctype html><html><head><meta charset='utf-8'><title>{title}</title>"
             "<style>body{font-family:sans-serif;margin:2em}td,th{padding:4px 8px;"
             "border-bottom:1px solid #ddd;text-align:right}</style></head><body>"
-            f"<h1>{title}</h1><p>trace: {html.escape(self.trace)}; {self.requests} requests; "
+            f"<h1>{title}</h1><p>trace: {html.escape(self.trace)}; {self.requests} requests "
+            f"({self.rejected} rejected: never servable); "
             f"{self.sim_seconds:.0f} simulated s in {self.wall_seconds:.2f} wall s "
             f"({self.speed_x_realtime:.0f}x real time). Simulated (emulated) figures, "
             "not measurements.</p>"
             f"<table><tr>{head}</tr>{''.join(rows)}</table>"
             "<h2>TTFT CDF</h2><img src='ttft_cdf.png'>"
             "<h2>Link utilization</h2><img src='link_utilization.png'>"
-            f"<h2>JSON</h2><pre>{html.escape(json.dumps(doc, indent=2))}</pre>"
+            f"<h2>JSON</h2><pre>{html.escape(dumps(doc, indent=2))}</pre>"
             "</body></html>"
         )
 

@@ -2,7 +2,9 @@
 
 Lifecycle of a request (times in simulated seconds):
 
-1. it arrives and joins the prefill pool's FIFO queue;
+1. it arrives and, if it can ever be served (:func:`topkv.policy.admission.admit`: not
+   longer than the model's context, KV not larger than the largest decode instance's KV
+   memory), joins the prefill pool's FIFO queue; otherwise it is counted as rejected;
 2. an idle prefill instance takes the head of the queue and more requests while the batch
    stays within ``max_prefill_tokens``; for each, the shared :class:`RoutingPolicy` picks a
    decode instance (with room for the request's whole KV cache, reserved now) and the
@@ -33,6 +35,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from topkv.kv.spec import ModelSpec
+from topkv.policy.admission import AdmissionLimits, admit
 from topkv.policy.bandwidth import BandwidthEstimator
 from topkv.policy.route import DecodeWorkerView, RoutingPolicy
 from topkv.policy.select import TransportSelector, policy_from_name
@@ -177,9 +180,16 @@ class PolicyResult:
     bytes_by_transport: dict[str, int]
     count_by_transport: dict[str, int]
     utilization: list[UtilizationSeries] = field(default_factory=list)
+    #: Rejected requests by reason code (:data:`topkv.policy.admission.REJECTION_REASONS`).
+    rejected_by_reason: dict[str, int] = field(default_factory=dict)
 
     def pct(self, values: np.ndarray, q: float) -> float:
+        """The ``q``-th percentile; NaN over no values (the JSON outputs use :meth:`pct_ms`)."""
         return float(np.percentile(values, q)) if values.size else math.nan
+
+    def pct_ms(self, values: np.ndarray, q: float) -> float | None:
+        """The ``q``-th percentile in ms; None (JSON ``null``) over no values."""
+        return float(np.percentile(values, q)) * 1e3 if values.size else None
 
     @property
     def goodput_rps(self) -> float:
@@ -194,19 +204,18 @@ class PolicyResult:
 
     def summary(self) -> dict[str, object]:
         """The per-policy keys of ``topkv sim --json``."""
-        ms = 1e3
         return {
-            "ttft_p50_ms": self.pct(self.ttft_s, 50) * ms,
-            "ttft_p99_ms": self.pct(self.ttft_s, 99) * ms,
-            "tpot_p50_ms": self.pct(self.tpot_s, 50) * ms,
+            "ttft_p50_ms": self.pct_ms(self.ttft_s, 50),
+            "ttft_p99_ms": self.pct_ms(self.ttft_s, 99),
+            "tpot_p50_ms": self.pct_ms(self.tpot_s, 50),
             "goodput_rps": self.goodput_rps,
-            "transfer_ms_p50": self.pct(self.exposed_transfer_s, 50) * ms,
+            "transfer_ms_p50": self.pct_ms(self.exposed_transfer_s, 50),
             "bytes_by_transport": dict(sorted(self.bytes_by_transport.items())),
+            "rejected": self.rejected,
         }
 
     def details(self) -> dict[str, object]:
         """Everything else a report shows (p90s, E2E, counts, KV share of TTFT)."""
-        ms = 1e3
         out: dict[str, object] = {}
         for name, arr in (
             ("ttft", self.ttft_s),
@@ -217,11 +226,12 @@ class PolicyResult:
             ("prefill_queue", self.prefill_wait_s),
         ):
             for q in (50, 90, 99):
-                out[f"{name}_p{q}_ms"] = self.pct(arr, q) * ms
+                out[f"{name}_p{q}_ms"] = self.pct_ms(arr, q)
         out["kv_share_of_ttft"] = self.kv_share_of_ttft
         out["count_by_transport"] = dict(sorted(self.count_by_transport.items()))
         out["completed"] = self.completed
         out["rejected"] = self.rejected
+        out["rejected_by_reason"] = dict(sorted(self.rejected_by_reason.items()))
         out["events"] = self.events
         return out
 
@@ -250,10 +260,14 @@ class Simulation:
         slots = config.decode_slots
         cap = float(slots) if slots is not None else self.compute.kv_capacity_bytes
         self.decodes = [_Decode(inst, cap) for inst in self.cluster.decode]
+        self.limits = AdmissionLimits.of(
+            config.model.max_context, (d.capacity for d in self.decodes)
+        )
         self._local, self._remote = self._partition_decodes()
         self._kv_cache: dict[int, int] = {}
         self.done: list[_Req] = []
         self.rejected = 0
+        self.rejected_by_reason: dict[str, int] = {}
         self._next_arrival = 0
         self._requests = workload.requests
 
@@ -273,6 +287,12 @@ class Simulation:
             local[p.iid] = near
             remote[p.iid] = [d for d in self.decodes if d not in near]
         return local, remote
+
+    def _kv_need(self, req: Request) -> float:
+        """What a request reserves on its decode instance: a slot, or its whole KV."""
+        if self.config.decode_slots is not None:
+            return 1.0
+        return float(self._kv(req.input_tokens + req.output_tokens))
 
     def _kv(self, tokens: int) -> int:
         nbytes = self._kv_cache.get(tokens)
@@ -302,10 +322,18 @@ class Simulation:
     def _arrive(self) -> None:
         reqs = self._requests
         i = self._next_arrival
-        self.queue.append(_Req(reqs[i]))
+        req = reqs[i]
         self._next_arrival = i + 1
         if i + 1 < len(reqs):
             self.loop.call_at(reqs[i + 1].arrival_s, self._arrive)
+        verdict = admit(req.input_tokens + req.output_tokens, self._kv_need(req), self.limits)
+        if not verdict.admitted:
+            self.rejected += 1
+            self.rejected_by_reason[verdict.reason] = (
+                self.rejected_by_reason.get(verdict.reason, 0) + 1
+            )
+            return
+        self.queue.append(_Req(req))
         self._dispatch()
 
     # -- prefill -----------------------------------------------------------------------
@@ -320,15 +348,7 @@ class Simulation:
                 r = self.queue[0]
                 if batch and tokens + r.req.input_tokens > limit:
                     break
-                need = (
-                    1.0
-                    if self.config.decode_slots is not None
-                    else float(self._kv(r.req.input_tokens + r.req.output_tokens))
-                )
-                if need > self.decodes[0].capacity:
-                    self.queue.popleft()
-                    self.rejected += 1
-                    continue
+                need = self._kv_need(r.req)
                 routed = self._route(inst, r, need)
                 if routed is None:
                     break  # back-pressure: no decode instance has room
@@ -557,7 +577,7 @@ class Simulation:
         if len(done) + self.rejected != len(self._requests):
             raise SimError(
                 f"simulation ended with {len(self._requests) - len(done) - self.rejected} "
-                "requests unfinished (a decode instance cannot hold them)"
+                "requests unfinished (no decode instance could be routed to)"
             )
         ttft = np.array([r.ttft for r in done])
         e2e = np.array([r.e2e for r in done])
@@ -602,6 +622,7 @@ class Simulation:
             bytes_by_transport=bytes_by,
             count_by_transport=count_by,
             utilization=self.network.utilization(sim_seconds),
+            rejected_by_reason=dict(self.rejected_by_reason),
         )
 
 
