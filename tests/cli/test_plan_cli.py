@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 from topkv.cli.main import _typer_app
 from topkv.errors import ConfigError
+from topkv.jsonout import loads_strict
 from topkv.kv import UnknownModelError
 
 runner = CliRunner()
@@ -36,7 +37,7 @@ LLAMA_3_8B_CONFIG = {
 def _json(args: list[str]) -> dict[str, object]:
     result = runner.invoke(_typer_app, args)
     assert result.exit_code == 0, result.output
-    doc = json.loads(result.stdout)
+    doc = loads_strict(result.stdout)
     assert isinstance(doc, dict)
     return doc
 
@@ -100,7 +101,7 @@ def test_plan_errors_are_topkv_errors() -> None:
 def test_models_json_lists_catalog() -> None:
     result = runner.invoke(_typer_app, ["models", "--json"])
     assert result.exit_code == 0, result.output
-    rows = json.loads(result.stdout)
+    rows = loads_strict(result.stdout)
     by_name = {row["name"]: row for row in rows}
     assert by_name["Llama-3-70B"]["kv_bytes_per_token"] == 327_680
     assert by_name["DeepSeek-V3"]["kv_bytes_4k"] == 287_834_112
@@ -124,7 +125,7 @@ def test_console_script_end_to_end(tmp_path: Path) -> None:
         check=False,
     )
     assert ok.returncode == 0, ok.stderr
-    doc = json.loads(ok.stdout)
+    doc = loads_strict(ok.stdout)
     assert doc["kv_bytes"] == 1_342_177_280
     assert doc["transports"]["rdma"]["transfer_ms"] == pytest.approx(53.7, abs=0.05)
     assert doc["transports"]["nvlink"]["transfer_ms"] == pytest.approx(2.98, abs=0.01)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -11,6 +10,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from topkv.jsonout import loads_strict
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -72,7 +73,7 @@ def test_small_demo_run_reports_every_request_identical() -> None:
         if process.poll() is None:
             process.kill()
     assert process.returncode == 0, stderr[-2000:]
-    report = json.loads(stdout)
+    report = loads_strict(stdout)
     assert set(report) == {"requests", "summary", "options"}
     assert report["options"] == {
         "requests": 4, "seed": 0, "speedup": 4.0, "dilation": 1000.0, "new_tokens": 8,

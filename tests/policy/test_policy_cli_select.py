@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from collections.abc import Callable
@@ -14,6 +13,7 @@ from hypothesis import strategies as st
 
 from topkv.cli.select import parse_byte_size, parse_in_flight
 from topkv.errors import ConfigError
+from topkv.jsonout import loads_strict
 from topkv.topology.model import Cluster
 
 H100_NV18 = "sglang-30401-h100-8gpu-nv18-8nic.txt"
@@ -40,13 +40,13 @@ def test_select_json_lists_every_candidate(topology_file: Path) -> None:
     common = ["select", "--topology", str(topology_file), "--bytes", "1.34GB", "--json"]
     local = topkv(*common, "--src", "node-0:0", "--dst", "node-0:1")
     assert local.returncode == 0, local.stderr
-    data = json.loads(local.stdout)
+    data = loads_strict(local.stdout)
     assert (data["policy"], data["choice"], data["bytes"]) == ("cost", "nvlink", 1_340_000_000)
     assert sorted(c["transport"] for c in data["candidates"]) == ["nvlink", "pcie", "rdma", "tcp"]
     estimates = [c["estimated_s"] for c in data["candidates"]]
     assert estimates == sorted(estimates)
     remote = topkv(*common, "--src", "node-0:0", "--dst", "node-1:0", "--policy", "paper")
-    assert json.loads(remote.stdout)["choice"] == "rdma"
+    assert loads_strict(remote.stdout)["choice"] == "rdma"
     busy = topkv(
         *common,
         "--src",
@@ -58,7 +58,7 @@ def test_select_json_lists_every_candidate(topology_file: Path) -> None:
         "--in-flight",
         "node-0:mlx5_0=20GB",
     )
-    data = json.loads(busy.stdout)
+    data = loads_strict(busy.stdout)
     assert data["choice"] == "tcp"
     assert data["candidates"][1]["bottleneck_link"] == "node-0:mlx5_0"
 

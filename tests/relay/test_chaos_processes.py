@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -13,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from topkv.errors import ConfigError
+from topkv.jsonout import loads_strict
 from topkv.relay.chaos import REPORT_KEYS
 from topkv.service.worker import FAULTS_ENV, WorkerFaults
 
@@ -42,7 +42,7 @@ def test_processes_run_meets_every_condition(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != FAULTS_ENV}
     done = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report = loads_strict(done.stdout.strip().splitlines()[-1])
     assert list(report) == list(REPORT_KEYS)
     assert report["submitted"] == 100
     assert report["lost"] == 0

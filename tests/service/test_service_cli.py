@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from topkv.jsonout import loads_strict
 from topkv.service.client import OrchestratorClient
 from topkv.service.cluster import LocalCluster, SmokeLayout, run_smoke
 
@@ -68,7 +69,7 @@ def test_cluster_up_smoke_json(tmp_path: Path) -> None:
         timeout=120,
     )
     assert done.returncode == 0, done.stderr
-    report = json.loads(done.stdout)
+    report = loads_strict(done.stdout)
     smoke = report["smoke"]
     assert smoke["submitted"] == smoke["delivered"] == smoke["verified"] == 4
     assert {r["medium"] for r in smoke["results"]} == {"shm"}
@@ -123,7 +124,7 @@ def test_cluster_up_stops_every_process_on_sigterm(tmp_path: Path) -> None:
 def test_status_tables_and_json(make_cluster: ClusterFactory) -> None:
     cluster = make_cluster(prefill=1, decode=1)
     run_smoke(cluster.client(), 2, SmokeLayout(layers=2, tokens=16))
-    env = {**os.environ, "COLUMNS": "200"}
+    env = {**os.environ, "COLUMNS": "80"}  # piped: tables keep their full width anyway
     table = subprocess.run(
         [*TOPKV, "status", "--orchestrator", cluster.orchestrator_url],
         capture_output=True,
@@ -134,13 +135,14 @@ def test_status_tables_and_json(make_cluster: ClusterFactory) -> None:
     assert table.returncode == 0, table.stderr
     assert "Workers (2)" in table.stdout and "delivered 2" in table.stdout
     assert "shm" in table.stdout and "ok" in table.stdout
+    assert "\u2026" not in table.stdout and "transfer endpoint" in table.stdout
     as_json = subprocess.run(
         [*TOPKV, "status", "--orchestrator", cluster.orchestrator_url, "--json"],
         capture_output=True,
         text=True,
         timeout=60,
     )
-    status = json.loads(as_json.stdout)
+    status = loads_strict(as_json.stdout)
     assert len(status["workers"]) == 2
     assert status["transfers"]["counts"]["delivered"] == 2
 

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from topkv.cli.main import _typer_app
+from topkv.jsonout import loads_strict
 from topkv.planner.pipeline import simulate_pipeline
 from topkv.sim.validate_live import (
     TARGET_ERROR,
@@ -191,7 +192,7 @@ def test_other_demo_settings_are_refused() -> None:
 def test_cli_json(tmp_path: Path) -> None:
     result = CliRunner().invoke(_typer_app, ["sim-validate", "--demo-json", str(RECORD), "--json"])
     assert result.exit_code == 0, result.output
-    out = json.loads(result.output)
+    out = loads_strict(result.output)
     assert out["within_target"] is True
     assert {"requests", "ttft_p50_ms", "ttft_p90_ms", "p50_error", "p90_error", "queue",
             "service"} <= set(out["in_sample"])  # fmt: skip

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import shutil
 import subprocess
 import sys
@@ -11,6 +10,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from topkv.cli.main import _typer_app
+from topkv.jsonout import loads_strict
 from topkv.topology.build import collect, discover_local
 from topkv.topology.probes import (
     PROBES,
@@ -47,7 +47,7 @@ def test_discover_json_keys_and_links() -> None:
         ],
     )
     assert res.exit_code == 0, res.output
-    (node,) = json.loads(res.output)["nodes"]
+    (node,) = loads_strict(res.output)["nodes"]
     assert {"name", "gpus", "nics", "numa_nodes", "nvlink_domains", "links"} <= set(node)
     assert node["gpus"][0]["index"] == 0 and node["gpus"][0]["numa"] == 3
     assert [n["name"] for n in node["nics"]][:2] == ["mlx5_0", "mlx5_1"]
@@ -64,12 +64,12 @@ def test_discover_from_dir_with_rdma_merge(tmp_path: Path) -> None:
     )
     res = RUNNER.invoke(_typer_app, ["discover", "--from", str(tmp_path), "--json"])
     assert res.exit_code == 0, res.output
-    (node,) = json.loads(res.output)["nodes"]
+    (node,) = loads_strict(res.output)["nodes"]
     mlx0 = node["nics"][0]
     assert mlx0["name"] == "mlx5_0" and mlx0["link_layer"] == "IB"
     assert mlx0["rate_gbps"] == 200.0 and mlx0["state"] == "ACTIVE"
     res = RUNNER.invoke(_typer_app, ["nic-map", "--format", "sglang", "--from", str(tmp_path)])
-    assert res.exit_code == 0 and json.loads(res.output)["1"] == "mlx5_1"
+    assert res.exit_code == 0 and loads_strict(res.output)["1"] == "mlx5_1"
 
 
 def test_discover_error_output_exits_2_with_one_line() -> None:
@@ -91,7 +91,7 @@ def test_empty_dir_is_a_clear_error(tmp_path: Path) -> None:
 def test_discover_this_machine_is_honest() -> None:
     res = RUNNER.invoke(_typer_app, ["discover", "--json", "--name", "here"])
     assert res.exit_code == 0, res.output
-    (node,) = json.loads(res.output)["nodes"]
+    (node,) = loads_strict(res.output)["nodes"]
     has_gpu = shutil.which("nvidia-smi") is not None
     if not has_gpu:
         assert node["gpus"] == [] and "no GPU found" in node["notes"]

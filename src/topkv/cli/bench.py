@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
-
 import typer
 
 from topkv.errors import ConfigError
+from topkv.jsonout import dumps
 
 _UNITS = {
     "": 1,
@@ -66,7 +65,7 @@ def register(app: typer.Typer) -> None:
             config = BenchConfig(transport, parse_size(size), repeat, streams=streams)
             report = crc_overhead_report(config) if crc_overhead else run_transfer_benchmark(config)
         if as_json:
-            typer.echo(json.dumps(report))
+            typer.echo(dumps(report))
             return
         for key, value in report.items():
             typer.echo(f"{key:>18}: {value}")

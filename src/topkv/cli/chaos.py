@@ -7,11 +7,12 @@ import json
 from pathlib import Path
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
+from topkv.cli.console import stdout_console
 from topkv.cli.select import parse_byte_size
 from topkv.errors import ConfigError
+from topkv.jsonout import dumps
 from topkv.relay.chaos import ChaosConfig, run_chaos
 
 
@@ -54,7 +55,7 @@ def chaos_command(
     report = asyncio.run(run_chaos(config))
     problems = report.problems(limit)
     if as_json:
-        print(json.dumps(report.to_dict()))
+        print(dumps(report.to_dict()))
     else:
         table = Table(title=f"topkv chaos ({mode}): {transfers} x {size}, limit {limit}")
         table.add_column("measure")
@@ -67,7 +68,7 @@ def chaos_command(
         table.add_row("delivered by medium", json.dumps(report.by_medium))
         table.add_row("stranded detail", json.dumps(report.stranded_detail))
         table.add_row("seconds", f"{report.seconds:.1f}")
-        console = Console()
+        console = stdout_console()
         console.print(table)
         console.print("correct" if not problems else "NOT correct: " + "; ".join(problems))
     if problems:

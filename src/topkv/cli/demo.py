@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import signal
 import sys
 import time
@@ -12,7 +11,9 @@ import typer
 from rich.console import Console
 from rich.live import Live
 
+from topkv.cli.console import stdout_console
 from topkv.demo.errors import DemoError
+from topkv.jsonout import dumps
 
 
 def demo_command(
@@ -78,11 +79,9 @@ def demo_command(
             "summary": summary,
             "options": options_json(options),
         }
-        sys.stdout.write(json.dumps(payload, allow_nan=False) + "\n")
+        sys.stdout.write(dumps(payload) + "\n")
     else:
-        out = Console()
-        if not out.is_terminal:
-            out = Console(width=180)
+        out = stdout_console()
         out.print(results_table(results, options.dilation))
         out.print(summary_text(summary))
     if not summary["all_tokens_identical"]:

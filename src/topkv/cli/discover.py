@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import functools
 import inspect
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import typer
-from rich.console import Console
 
+from topkv.cli.console import stdout_console
 from topkv.errors import ConfigError
+from topkv.jsonout import dumps
 from topkv.topology.build import discover_from_dir, discover_from_files, discover_local
 from topkv.topology.model import Cluster, Node
 from topkv.topology.nicmap import FORMATS, render
@@ -132,9 +132,9 @@ def register(app: typer.Typer) -> None:
         """Discover a node's topology: GPUs, NICs, NUMA, links and NVLink domains."""
         node = _node_from_options(from_dir, name, gpu_name, files or {})
         if as_json:
-            typer.echo(json.dumps(Cluster(nodes=[node]).model_dump(mode="json"), indent=2))
+            typer.echo(dumps(Cluster(nodes=[node]).model_dump(mode="json"), indent=2))
         else:
-            Console(soft_wrap=True).print(_summary(node), markup=False, highlight=False)
+            stdout_console(soft_wrap=True).print(_summary(node), markup=False, highlight=False)
 
     @app.command("nic-map")
     @_with_probe_file_options

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
+from topkv.cli.console import stdout_console
 from topkv.errors import ConfigError
+from topkv.jsonout import dumps
 from topkv.kv import ModelSpec, catalog, get_model, load_hf_config
 from topkv.kv.dtypes import dtype_bytes
 from topkv.planner import build_plan
@@ -43,13 +43,13 @@ def plan_command(
     dtype_bytes(dtype)  # reject unknown dtypes before any work
     plan = build_plan(spec, seq_len, dtype, rate, layer_compute_ms)
     if as_json:
-        typer.echo(json.dumps(plan.to_json_dict()))
+        typer.echo(dumps(plan.to_json_dict()))
         return
     _print_plan(plan, spec, rate, layer_compute_ms)
 
 
 def _print_plan(plan: Plan, spec: ModelSpec, rate: float, layer_compute_ms: float) -> None:
-    console = Console()
+    console = stdout_console()
     title = (
         f"{plan.model}: {plan.seq_len} tokens, {plan.dtype}, KV {plan.kv_bytes:,} bytes "
         f"({plan.kv_bytes / 1e9:.3f} GB)"
@@ -99,7 +99,7 @@ def models_command(
     """List the model catalog with KV bytes per token (fp16) and at 4K tokens."""
     rows = [_model_row(spec) for spec in catalog()]
     if as_json:
-        typer.echo(json.dumps(rows))
+        typer.echo(dumps(rows))
         return
     table = Table(title="Model catalog (fp16 KV)")
     for header in (
@@ -124,7 +124,7 @@ def models_command(
             f"{spec.linear_state_bytes():,}" if spec.linear_state_bytes() else "-",
             _fmt_params(spec),
         )
-    Console().print(table)
+    stdout_console().print(table)
 
 
 def _model_row(spec: ModelSpec) -> dict[str, object]:

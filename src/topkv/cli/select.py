@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import json
 import re
 from decimal import Decimal
 from pathlib import Path
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
+from topkv.cli.console import stdout_console
 from topkv.errors import ConfigError
+from topkv.jsonout import dumps
 from topkv.policy import Endpoint, LinkLoad, Selection, TransferRequest, policy_from_name
 from topkv.policy.adapters import cluster_from_json, pair_view_from_cluster
 from topkv.policy.view import NO_LOAD
@@ -85,7 +85,7 @@ def select_command(
     if as_json:
         out = {"src": str(pair.src), "dst": str(pair.dst), "bytes": request.nbytes}
         out |= {"chunks": chunks, **selection.to_dict()}
-        typer.echo(json.dumps(out))
+        typer.echo(dumps(out))
         return
     _print(selection, pair.src, pair.dst, request)
 
@@ -110,7 +110,7 @@ def _print(selection: Selection, src: Endpoint, dst: Endpoint, request: Transfer
             f"{c.estimated_s * 1e3:.4g} ms",
             c.reason,
         )
-    console = Console()
+    console = stdout_console()
     console.print(table)
     fallbacks = ", ".join(selection.fallbacks) or "none"
     console.print(f"choice: {selection.choice} ({selection.rationale}); fallbacks: {fallbacks}")

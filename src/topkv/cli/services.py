@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import signal
@@ -15,7 +14,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from topkv.cli.console import stdout_console
 from topkv.errors import ConfigError
+from topkv.jsonout import dumps
 from topkv.relay.orchestrator import OrchestratorConfig, RetryPolicy
 from topkv.relay.workers import WorkerCapabilities
 from topkv.service.client import OrchestratorClient
@@ -173,7 +174,7 @@ def cluster_up_command(
     """Start an orchestrator and N + M workers as real processes (Ctrl-C stops them all)."""
     from topkv.service.cluster import ClusterConfig, LocalCluster, SmokeLayout, run_smoke
 
-    console = Console()
+    console = stdout_console()
     cluster = LocalCluster(
         ClusterConfig(
             prefill=prefill,
@@ -197,14 +198,14 @@ def cluster_up_command(
                 cluster.client(), smoke, SmokeLayout(layers=smoke_layers, tokens=smoke_tokens)
             )
             if json_output:
-                typer.echo(json.dumps({"cluster": described, "smoke": report}, indent=2))
+                typer.echo(dumps({"cluster": described, "smoke": report}, indent=2))
             else:
                 _print_cluster(console, described)
                 _print_smoke(console, report)
             ok = report["delivered"] == report["submitted"] == report["verified"]
             raise typer.Exit(0 if ok else 1)
         if json_output:
-            typer.echo(json.dumps(described, indent=2))
+            typer.echo(dumps(described, indent=2))
         else:
             _print_cluster(console, described)
             console.print("Ctrl-C or SIGTERM stops every process.")
@@ -287,9 +288,9 @@ def status_command(
     workers = client.workers()
     listing = client.transfers(limit)
     if json_output:
-        typer.echo(json.dumps({"workers": workers, "transfers": listing}, indent=2))
+        typer.echo(dumps({"workers": workers, "transfers": listing}, indent=2))
         return
-    Console().print(render_status(workers, listing))
+    stdout_console().print(render_status(workers, listing))
 
 
 def register(app: typer.Typer) -> None:

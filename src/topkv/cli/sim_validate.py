@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import typer
+
+from topkv.jsonout import dumps
 
 
 def sim_validate_command(
@@ -65,7 +66,7 @@ def sim_validate_command(
         options = calibration_from(DemoRecord.load(calibrate_from), options)
     report = validate_against_demo(record, options)
     if as_json:
-        sys.stdout.write(json.dumps(report.as_dict(), allow_nan=False) + "\n")
+        sys.stdout.write(dumps(report.as_dict()) + "\n")
     else:
         sys.stdout.write(format_report(report) + "\n")
     if not report.within_target:

@@ -13,9 +13,9 @@
 
 from __future__ import annotations
 
-import json
 from typing import Literal
 
+from topkv.jsonout import dumps
 from topkv.topology.model import NIC, Node, TopologyError
 from topkv.topology.paths import nearest_nics
 
@@ -65,7 +65,7 @@ def render(node: Node, fmt: str) -> str:
             local = [n.name for n in node.nics if n.numa == numa]
             others = [n.name for n in node.nics if n.name not in local]
             matrix[f"cpu:{numa}"] = [local or others, others if local else []]
-        return json.dumps(matrix, indent=2)
+        return dumps(matrix, indent=2)
     if fmt == "sglang":
-        return json.dumps({str(i): ",".join(n.name for n in nics) for i, nics in mapping.items()})
+        return dumps({str(i): ",".join(n.name for n in nics) for i, nics in mapping.items()})
     raise TopologyError(f"unknown NIC map format {fmt!r}; choose one of {', '.join(FORMATS)}")
