@@ -12,7 +12,7 @@ from rich.text import Text
 
 from topkv.demo.measure import Percentiles, quantile
 from topkv.demo.runner import DemoOptions, Progress, RequestResult
-from topkv.demo.topology import MEDIUM_FOR_MODE
+from topkv.transport.media import MEDIUM_FOR_MODE
 
 #: The keys of each request in ``--json`` (issue #6), in order.
 JSON_REQUEST_KEYS = (

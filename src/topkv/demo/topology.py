@@ -22,12 +22,10 @@ from topkv.relay.workers import Role, WorkerCapabilities, WorkerInfo
 from topkv.topology.build import discover_from_files
 from topkv.topology.detect.errors import ParseError
 from topkv.topology.model import Cluster
+from topkv.transport.media import MEDIUM_FOR_MODE
 
 DEFAULT_FIXTURE = "sglang-30401-h100-8gpu-nv18-8nic.txt"
 GPU_NAME = "NVIDIA H100 80GB HBM3"
-
-#: Media that carry each path class on this host (same host: shm; otherwise tcp).
-MEDIUM_FOR_MODE = {"nvlink": "shm", "nvswitch": "shm", "pcie": "shm", "xgmi": "shm"}
 
 
 @dataclass(frozen=True)

@@ -38,22 +38,11 @@ from topkv.transport.base import (
     TransferSource,
 )
 from topkv.transport.errors import TransferTimeout, TransportError
+from topkv.transport.media import DEFAULT_MEDIA
 from topkv.transport.sending import as_bytes_view
 from topkv.transport.shm import ShmSink
 from topkv.transport.tcp import TcpSink
 from topkv.wire import crc64
-
-#: Default medium for each path class the selection policy names. NVLink-class paths are
-#: emulated (paced shared memory); PCIe-class same-host paths are real shared memory; RDMA
-#: is emulated over TCP; TCP is real.
-DEFAULT_MEDIA: Mapping[str, str] = {
-    "nvlink": "emulated-nvlink",
-    "nvswitch": "emulated-nvswitch",
-    "xgmi": "emulated-nvlink",
-    "pcie": "shm",
-    "rdma": "emulated-rdma",
-    "tcp": "tcp",
-}
 
 SourceWrapper = Callable[[str, TransferSource], TransferSource]
 

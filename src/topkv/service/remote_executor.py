@@ -40,19 +40,8 @@ from topkv.service.messages import (
 )
 from topkv.transport import registry as transports
 from topkv.transport.base import KVLayout
+from topkv.transport.media import DEFAULT_MEDIA
 from topkv.transport.shm import ShmSink
-
-#: Medium serving each path class (same table as the in-process executor): NVLink-class
-#: paths are emulated over shared memory, PCIe-class same-host paths are real shared memory,
-#: RDMA is emulated over TCP (no RDMA hardware here), TCP is real.
-DEFAULT_MEDIA: Mapping[str, str] = {
-    "nvlink": "emulated-nvlink",
-    "nvswitch": "emulated-nvswitch",
-    "xgmi": "emulated-nvlink",
-    "pcie": "shm",
-    "rdma": "emulated-rdma",
-    "tcp": "tcp",
-}
 
 #: Extra seconds an HTTP call may take beyond the attempt's own timeout.
 _HTTP_MARGIN_S = 5.0

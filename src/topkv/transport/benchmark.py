@@ -34,11 +34,11 @@ from topkv.transport.base import (
     TransferDescriptor,
     TransferSink,
     TransferSource,
-    TransportMode,
 )
 from topkv.transport.copying import copy_path
 from topkv.transport.emulated import EmulatedSource, dilation_for
 from topkv.transport.errors import TransportError
+from topkv.transport.media import real_medium
 from topkv.transport.shm import ShmSink
 from topkv.transport.tcp import TcpSink, tune_socket
 from topkv.wire.checksum import crc64
@@ -79,8 +79,7 @@ def _inner_medium(name: str) -> str:
     info = registry.get(name)
     if not info.emulated:
         return info.name
-    fast = info.mode in (TransportMode.NVLINK, TransportMode.NVSWITCH, TransportMode.PCIE)
-    return "shm" if fast else "tcp"
+    return real_medium(info.mode.value)
 
 
 def _sink_main(conn: Connection, medium: str, secret: bytes, size: int) -> None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from topkv.transport.base import TransferSink, TransferSource, TransportMode
 from topkv.transport.emulated import EmulatedSource, LinkModel
 from topkv.transport.errors import TransportUnavailable
+from topkv.transport.media import real_medium
 from topkv.transport.shm import ShmSink, ShmSource
 from topkv.transport.tcp import TcpSink, TcpSource
 
@@ -35,8 +36,7 @@ def register(info: TransportInfo) -> None:
 
 
 def _emulated(mode: TransportMode, dilation: float = 1.0) -> TransportInfo:
-    # Modes faster than host memory ride on shm; the rest on tcp.
-    use_shm = mode in (TransportMode.NVLINK, TransportMode.NVSWITCH, TransportMode.PCIE)
+    use_shm = real_medium(mode.value) == "shm"  # same-host classes ride on shm; the rest on tcp
     inner_source: Callable[[bytes], TransferSource] = ShmSource if use_shm else TcpSource
     inner_sink: Callable[[bytes], TransferSink] = ShmSink if use_shm else TcpSink
     link = LinkModel.default(mode)
