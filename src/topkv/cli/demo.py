@@ -44,8 +44,6 @@ def demo_command(
     from topkv.engine import model_extra_available
     from topkv.engine.deps import INSTALL_HINT
 
-    if not model_extra_available():
-        raise DemoError(f"the demo runs a real model: {INSTALL_HINT}")
     options = DemoOptions(
         requests=requests,
         seed=seed,
@@ -55,9 +53,13 @@ def demo_command(
         speedup=speedup,
         trace=trace,
     )
+    started = time.perf_counter()
+    # reads the trace and the topology: a bad file fails here, before any model or worker
+    run = DemoRun(options)
+    if not model_extra_available():
+        raise DemoError(f"the demo runs a real model: {INSTALL_HINT}")
     _interrupt_on_signals()
     err = Console(stderr=True)
-    started = time.perf_counter()
     with Live(console=err, refresh_per_second=8, transient=False) as live:
 
         def show(progress: Progress) -> None:
@@ -65,7 +67,7 @@ def demo_command(
 
             live.update(progress_view(progress))
 
-        run = DemoRun(options, on_progress=show)
+        run.on_progress = show
         try:
             results = run.run()
         except KeyboardInterrupt:

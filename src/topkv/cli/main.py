@@ -51,5 +51,10 @@ def app() -> None:
     try:
         _typer_app(standalone_mode=True)
     except TopKVError as exc:
-        print(f"topkv: error: {exc}", file=sys.stderr)
+        print(f"topkv: error: {one_line(str(exc))}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def one_line(message: str) -> str:
+    """``message`` on one line (a parser's multi-line message joined with "; ")."""
+    return "; ".join(part.strip() for part in message.splitlines() if part.strip())

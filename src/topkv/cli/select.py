@@ -10,7 +10,8 @@ import typer
 from rich.table import Table
 
 from topkv.cli.console import stdout_console
-from topkv.errors import ConfigError
+from topkv.errors import ConfigError, TopKVError
+from topkv.inputs import read_text
 from topkv.jsonout import dumps
 from topkv.policy import Endpoint, LinkLoad, Selection, TransferRequest, policy_from_name
 from topkv.policy.adapters import cluster_from_json, pair_view_from_cluster
@@ -48,12 +49,7 @@ def parse_in_flight(specs: list[str]) -> LinkLoad:
 
 
 def _read_topology(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"cannot read topology file {path}: {exc.strerror}") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"topology file {path} is not UTF-8 text") from None
+    return read_text(path, what="a topology file (topkv discover --json)")
 
 
 def select_command(
@@ -79,8 +75,12 @@ def select_command(
     request = TransferRequest(parse_byte_size(size), chunks, override)
     selector = policy_from_name(policy)
     load = parse_in_flight(in_flight)
+    ends = Endpoint.parse(src), Endpoint.parse(dst)
     cluster = cluster_from_json(_read_topology(topology), str(topology))
-    pair = pair_view_from_cluster(cluster, Endpoint.parse(src), Endpoint.parse(dst))
+    try:
+        pair = pair_view_from_cluster(cluster, *ends)
+    except TopKVError as exc:  # a GPU or path the file lacks: name the file
+        raise ConfigError(f"{topology}: {exc}") from None
     selection = selector.select(pair, request, load)
     if as_json:
         out = {"src": str(pair.src), "dst": str(pair.dst), "bytes": request.nbytes}

@@ -14,8 +14,9 @@ from pathlib import Path
 
 from topkv.demo.errors import DemoError
 from topkv.errors import ConfigError
+from topkv.inputs import InputFileError
 from topkv.packaged import SAMPLE_TRACE
-from topkv.sim.errors import SimError
+from topkv.sim.errors import SimError, TraceFormatError
 from topkv.sim.workload import read_azure_csv
 
 #: The packaged sample: the Azure 2023 conversation trace's first 4,000 requests.
@@ -70,8 +71,11 @@ def load_requests(
         raise DemoError(f"speedup must be a positive number, got {speedup}")
     try:
         workload = read_azure_csv(trace)
+    except (TraceFormatError, InputFileError) as exc:
+        where = exc.path if exc.line is None else f"{exc.path}:{exc.line}"
+        raise DemoError(f"{where}: cannot read the trace: {exc.reason}") from None
     except (SimError, ConfigError, OSError) as exc:
-        raise DemoError(f"cannot read the trace {trace}: {exc}") from None
+        raise DemoError(f"{trace}: cannot read the trace: {exc}") from None
     rows = workload.requests[:count]
     if len(rows) < count:
         raise DemoError(f"the trace {trace} has {len(rows)} requests, fewer than {count}")

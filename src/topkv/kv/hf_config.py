@@ -16,12 +16,12 @@ totals.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from topkv.inputs import InputFileError, excerpt, load_json
 from topkv.kv.errors import ModelConfigError
 from topkv.kv.spec import (
     AttentionKind,
@@ -37,6 +37,15 @@ _MLA = frozenset({"deepseek_v2", "deepseek_v3", "kimi_k2"})
 _GPT_OSS = frozenset({"gpt_oss"})
 _HYBRID = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"})
 SUPPORTED_MODEL_TYPES: frozenset[str] = _STANDARD | _MLA | _GPT_OSS | _HYBRID
+
+#: A config.json is a few KiB; anything far larger is not one.
+MAX_CONFIG_BYTES = 16 << 20
+#: Most layers a model may have (the largest published ones have ~130): the per-layer
+#: pattern is built in memory, so a short file must not ask for a billion layers.
+MAX_LAYERS = 100_000
+#: Largest value of any count or size field (hidden_size, vocab_size, ...): sizes computed
+#: from them stay finite floats.
+MAX_FIELD = 1 << 32
 
 _LAYER_TYPE_NAMES: dict[str, LayerType] = {
     "full_attention": "full",
@@ -54,15 +63,9 @@ def load_hf_config(path: str | Path, name: str | None = None) -> ModelSpec:
     """
     file = _resolve(Path(path))
     try:
-        text = file.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ModelConfigError(f"{file}: cannot read: {exc}") from None
-    try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ModelConfigError(
-            f"{file}: invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}"
-        ) from None
+        raw = load_json(file, what="a Hugging Face config.json", limit=MAX_CONFIG_BYTES)
+    except InputFileError as exc:
+        raise ModelConfigError(str(exc)) from None
     if not isinstance(raw, dict):
         raise ModelConfigError(f"{file}: expected a JSON object, got {type(raw).__name__}")
     default_name = raw.get("_name_or_path") or file.parent.name or file.stem
@@ -72,7 +75,7 @@ def load_hf_config(path: str | Path, name: str | None = None) -> ModelSpec:
 def _resolve(path: Path) -> Path:
     if path.is_dir():
         path = path / "config.json"
-    if not path.is_file():
+    if not path.exists():
         raise ModelConfigError(f"{path}: no such config file")
     return path
 
@@ -94,6 +97,10 @@ def spec_from_hf_dict(raw: Mapping[str, Any], name: str, source: str) -> ModelSp
         )
 
     num_layers = cfg.positive_int("num_hidden_layers")
+    if num_layers > MAX_LAYERS:
+        raise ModelConfigError(
+            f"{cfg.source}: field 'num_hidden_layers' is {num_layers:,}, more than {MAX_LAYERS:,}"
+        )
     num_heads = cfg.positive_int("num_attention_heads")
     hidden = cfg.positive_int("hidden_size")
     vocab = cfg.positive_int("vocab_size")
@@ -300,7 +307,15 @@ class _Fields:
             return default
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ModelConfigError(
-                f"{self.source}: field {key!r} must be a positive integer, got {value!r}"
+                f"{self.source}: field {key!r} must be a positive integer, got {excerpt(value)}"
+            )
+        return self._bounded(key, value)
+
+    def _bounded(self, key: str, value: int) -> int:
+        if value > MAX_FIELD:
+            raise ModelConfigError(
+                f"{self.source}: field {key!r} is {value:.3g}, larger than any model's "
+                f"({MAX_FIELD:,} at most)"
             )
         return value
 
@@ -311,6 +326,6 @@ class _Fields:
             return 0
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ModelConfigError(
-                f"{self.source}: field {key!r} must be a non-negative integer, got {value!r}"
+                f"{self.source}: field {key!r} must be a non-negative integer, got {excerpt(value)}"
             )
-        return value
+        return self._bounded(key, value)

@@ -23,11 +23,10 @@ the same GPUs; NVLink paths occupy the GPUs' NVLink ports only.
 
 from __future__ import annotations
 
-import json
-
 from pydantic import ValidationError
 
 from topkv.errors import ConfigError
+from topkv.inputs import parse_json
 from topkv.policy.pairs import gpu_port, host_network, nic_port
 from topkv.policy.view import Endpoint, PairView, PathCandidate
 from topkv.topology import paths
@@ -136,20 +135,22 @@ def cluster_from_json(text: str, origin: str = "topology JSON") -> Cluster:
     Raises :class:`topkv.errors.ConfigError` naming the first problem when the text is not
     a topology.
     """
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{origin}: not JSON ({exc.msg} at line {exc.lineno})") from None
+    data = parse_json(text, origin, invalid="not JSON")
     if isinstance(data, dict) and "cluster" in data and "nodes" not in data:
         data = data["cluster"]
     try:
         if isinstance(data, dict) and "nodes" not in data and "gpus" in data:
             return Cluster(nodes=[Node.model_validate(data)])
-        return Cluster.model_validate(data)
+        cluster = Cluster.model_validate(data)
     except ValidationError as exc:
         first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "top level"
+        where = ".".join(str(p) for p in first["loc"])[:80] or "top level"
         raise ConfigError(
             f"{origin}: not a topology (at {where}: {first['msg']}); "
             "write one with `topkv discover --json`"
         ) from None
+    if not cluster.nodes:
+        raise ConfigError(
+            f"{origin}: the topology has no nodes; write one with `topkv discover --json`"
+        )
+    return cluster

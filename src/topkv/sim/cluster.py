@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from topkv.inputs import InputFileError, load_json, load_yaml
 from topkv.planner.transports import DEFAULT_TRANSPORTS, TransportSpec
 from topkv.policy.pairs import gpu_port, host_network, nic_port, pair_view_from_facts
 from topkv.policy.view import Endpoint, PairView
@@ -38,12 +38,17 @@ from topkv.sim.errors import ClusterSpecError
 from topkv.sim.links import Link, LinkNetwork
 
 GB = 1e9
+#: A cluster file is a few lines; anything larger is not one.
+MAX_CLUSTER_FILE_BYTES = 1 << 20
+#: Most GPUs (and NICs) a simulated cluster may have, so a short file cannot ask for
+#: unbounded memory.
+MAX_CLUSTER_GPUS = 1 << 16
 
 
 class NodeGroup(BaseModel):
     """``count`` identical nodes. Bandwidths are one direction, GB/s (10**9 bytes/s)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     count: int = Field(ge=1)
     gpu: str
@@ -66,13 +71,25 @@ class NodeGroup(BaseModel):
 class ClusterSpec(BaseModel):
     """A cluster: node groups plus per-transport setup latencies (seconds per chunk)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     name: str = "custom"
     node_groups: list[NodeGroup] = Field(min_length=1)
     setup_latency_s: dict[str, float] = Field(
         default_factory=lambda: {k: v.setup_latency_s for k, v in DEFAULT_TRANSPORTS.items()}
     )
+
+    @model_validator(mode="after")
+    def _bounded(self) -> ClusterSpec:
+        for what, count in (
+            ("GPUs", sum(g.count * g.gpus_per_node for g in self.node_groups)),
+            ("NICs", sum(g.count * g.nics_per_node for g in self.node_groups)),
+        ):
+            if count > MAX_CLUSTER_GPUS:
+                raise ValueError(f"{count:,} {what}, more than the {MAX_CLUSTER_GPUS:,} simulated")
+        if any(v < 0 for v in self.setup_latency_s.values()):
+            raise ValueError("setup latencies must be >= 0 s")
+        return self
 
 
 def _builtin() -> dict[str, ClusterSpec]:
@@ -135,6 +152,8 @@ def scaled_cluster(name: str, gpus: int) -> ClusterSpec:
     """``4x-dgx-h100``-style cluster of DGX H100 nodes with ``gpus`` GPUs (multiple of 8)."""
     if gpus < 8 or gpus % 8:
         raise ClusterSpecError(f"{name}: GPU count must be a multiple of 8, got {gpus}")
+    if gpus > MAX_CLUSTER_GPUS:
+        raise ClusterSpecError(f"{name}: at most {MAX_CLUSTER_GPUS:,} GPUs, got {gpus:,}")
     return ClusterSpec(
         name=name,
         node_groups=[NodeGroup(count=gpus // 8, gpu="H100", gpus_per_node=8, nics_per_node=8)],
@@ -163,12 +182,14 @@ def load_cluster_spec(name_or_path: str) -> ClusterSpec:
 
 def read_cluster_yaml(path: Path) -> ClusterSpec:
     """Parse and validate a cluster YAML file."""
+    what = "a cluster YAML file (node_groups: ...)"
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise ClusterSpecError(f"cannot read cluster file {path}: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        raise ClusterSpecError(f"{path}: invalid YAML: {exc}") from None
+        if path.suffix == ".json":
+            data = load_json(path, what=what, limit=MAX_CLUSTER_FILE_BYTES)
+        else:
+            data = load_yaml(path, what=what, limit=MAX_CLUSTER_FILE_BYTES)
+    except InputFileError as exc:
+        raise ClusterSpecError(str(exc)) from None
     if not isinstance(data, dict):
         raise ClusterSpecError(f"{path}: expected a mapping with node_groups")
     data.setdefault("name", path.stem)
@@ -177,7 +198,7 @@ def read_cluster_yaml(path: Path) -> ClusterSpec:
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
-        raise ClusterSpecError(f"{path}: {where}: {first['msg']}") from None
+        raise ClusterSpecError(f"{path}: {where or 'top level'}: {first['msg']}") from None
 
 
 def spec_from_topology(topology: Any, name: str = "discovered") -> ClusterSpec:

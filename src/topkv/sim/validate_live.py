@@ -44,7 +44,6 @@ never saw); :func:`calibration_from` calibrates on another recorded run (cross-r
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -53,6 +52,7 @@ from typing import Any
 
 import numpy as np
 
+from topkv.inputs import InputFileError, load_json
 from topkv.kv.spec import ModelSpec
 from topkv.planner.transports import DEFAULT_TRANSPORTS
 from topkv.policy.view import PathCandidate
@@ -119,13 +119,9 @@ class DemoRecord:
     @classmethod
     def load(cls, path: Path) -> DemoRecord:
         try:
-            text = path.read_text(encoding="utf-8")
-        except OSError as exc:
-            raise LiveValidationError(f"cannot read the demo record {path}: {exc}") from None
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise LiveValidationError(f"{path}: not JSON ({exc})") from None
+            data = load_json(path, what="a topkv demo --json record", invalid="not JSON")
+        except InputFileError as exc:
+            raise LiveValidationError(str(exc)) from None
         return cls.from_json(data, str(path))
 
     @classmethod
@@ -138,8 +134,10 @@ class DemoRecord:
             dilation = float(summary["emulation"]["dilation"])  # type: ignore[index]
         except (TypeError, KeyError, ValueError):
             raise LiveValidationError(f"{source}: no summary.emulation.dilation") from None
-        if not (math.isfinite(dilation) and dilation >= 1):
-            raise LiveValidationError(f"{source}: dilation must be >= 1, got {dilation}")
+        if not (math.isfinite(dilation) and 1 <= dilation <= _RECORD_MAX):
+            raise LiveValidationError(
+                f"{source}: dilation must be >= 1 and <= {_RECORD_MAX:g}, got {dilation}"
+            )
         rows = [_measurement(row, i, source) for i, row in enumerate(data["requests"])]
         if not rows:
             raise LiveValidationError(f"{source}: the record has no requests")
@@ -147,9 +145,21 @@ class DemoRecord:
         if len(set(ids)) != len(ids):
             raise LiveValidationError(f"{source}: request ids are not unique")
         options = data.get("options")
-        return cls(
-            tuple(rows), dilation, dict(options) if isinstance(options, dict) else {}, source
-        )
+        options = dict(options) if isinstance(options, dict) else {}
+        for key, low in (("requests", 1), ("seed", 0), ("new_tokens", 1), ("speedup", 1e-3)):
+            value = options.get(key)
+            high = _RECORD_BOUNDS.get(key, _RECORD_MAX)
+            if value is not None and (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not low <= value <= high
+                or (key != "speedup" and value != int(value))
+            ):
+                kind = "a number" if key == "speedup" else "an integer"
+                raise LiveValidationError(
+                    f"{source}: options.{key} must be {kind} in [{low:g}, {high:g}]"
+                )
+        return cls(tuple(rows), dilation, options, source)
 
     @property
     def has_requests(self) -> bool:
@@ -168,6 +178,13 @@ class DemoRecord:
         )
 
 
+#: Largest magnitude of a demo record's times (ms), counts and options (except these keys):
+#: far beyond any run, and small enough that the simulated horizon -- hence the memory of
+#: the simulation -- stays bounded whatever the file says.
+_RECORD_MAX = 1e7
+_RECORD_BOUNDS = {"bytes": 1e13, "seed": 2.0**63}
+
+
 def _measurement(row: Any, index: int, source: str) -> DemoMeasurement:
     where = f"{source}: requests[{index}]"
     if not isinstance(row, dict):
@@ -179,6 +196,11 @@ def _measurement(row: Any, index: int, source: str) -> DemoMeasurement:
             return math.nan  # the demo writes null for a request it could not measure
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise LiveValidationError(f"{where}: {key} must be a number, got {value!r}")
+        bound = _RECORD_BOUNDS.get(key, _RECORD_MAX)
+        if not abs(value) <= bound:
+            raise LiveValidationError(
+                f"{where}: {key} {value:g} is out of range (at most {bound:g})"
+            )
         return float(value)
 
     def optional(key: str) -> float | None:
@@ -194,7 +216,7 @@ def _measurement(row: Any, index: int, source: str) -> DemoMeasurement:
         return value
 
     rid, nbytes = number("id"), number("bytes")
-    if not (rid == int(rid) and rid >= 0 and nbytes == int(nbytes) and nbytes >= 0):
+    if not (math.isfinite(rid + nbytes) and rid == int(rid) >= 0 and nbytes == int(nbytes) >= 0):
         raise LiveValidationError(f"{where}: id and bytes must be non-negative integers")
     prompt_len = optional("prompt_len")
     if prompt_len is not None and not (prompt_len == int(prompt_len) and prompt_len >= 1):
@@ -698,7 +720,7 @@ def rebuild_requests(record: DemoRecord, options: ValidationOptions) -> list[Req
             speedup=speedup,
         )
     except TopKVError as exc:
-        raise LiveValidationError(f"cannot rebuild the demo's requests: {exc}") from None
+        raise LiveValidationError(f"{exc} (cannot rebuild the demo's requests)") from None
     per_token = _kv_bytes_per_token()
     by_id = {r.rid: r for r in demo_requests}
     out: list[Request] = []

@@ -26,13 +26,15 @@ import json
 import math
 import re
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import TextIO
+from typing import Any
 
 import numpy as np
 
+from topkv.inputs import InputFileError, excerpt, text_lines
 from topkv.sim.errors import SimError, TraceFormatError
 
 
@@ -70,11 +72,28 @@ def _finish(name: str, rows: list[tuple[float, int, int]]) -> Workload:
     return Workload(name, requests)
 
 
+#: Longest time a trace file may span: the traces are an hour or a week; the simulator's
+#: per-link utilization is kept per second of simulated time, so a far-off timestamp in a
+#: three-line file must not make it allocate years of bins.
+MAX_TRACE_SPAN_S = 7 * 86400.0
+
+
+def _check_span(path: Path, rows: list[tuple[float, int, int]]) -> None:
+    times = [t for t, _, _ in rows]
+    span = max(times) - min(times)
+    if not span <= MAX_TRACE_SPAN_S:
+        raise InputFileError(
+            path,
+            f"the trace spans {span / 86400:.4g} days, more than the "
+            f"{MAX_TRACE_SPAN_S / 86400:g} the simulator replays (a timestamp out of range?)",
+        )
+
+
 def _positive_int(path: str, line: int, field: str, text: str, minimum: int = 0) -> int:
     try:
         value = int(text.strip())
     except ValueError:
-        raise TraceFormatError(path, line, f"{field} {text!r} is not an integer") from None
+        raise TraceFormatError(path, line, f"{field} {excerpt(text)} is not an integer") from None
     if value < minimum:
         raise TraceFormatError(path, line, f"{field} {value} is below {minimum}")
     return value
@@ -89,11 +108,13 @@ _AZURE_TS = re.compile(r"^(\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d)(?:\.(\d+))?$")
 def _azure_time(path: str, line: int, text: str) -> float:
     match = _AZURE_TS.match(text.strip())
     if not match:
-        raise TraceFormatError(path, line, f"timestamp {text!r} is not YYYY-MM-DD HH:MM:SS[.f]")
+        raise TraceFormatError(
+            path, line, f"timestamp {excerpt(text)} is not YYYY-MM-DD HH:MM:SS[.f]"
+        )
     try:
         whole = datetime.fromisoformat(match.group(1)).timestamp()
-    except ValueError as exc:
-        raise TraceFormatError(path, line, f"timestamp {text!r}: {exc}") from None
+    except (ValueError, OverflowError, OSError) as exc:
+        raise TraceFormatError(path, line, f"timestamp {excerpt(text)}: {exc}") from None
     frac = match.group(2)
     return whole + (int(frac) / 10 ** len(frac) if frac else 0.0)
 
@@ -102,13 +123,12 @@ def read_azure_csv(path: Path) -> Workload:
     """Read an Azure LLM inference trace 2023 CSV (code or conversation)."""
     name = str(path)
     rows: list[tuple[float, int, int]] = []
-    with _open(path) as handle:
-        reader = csv.reader(handle)
+    reader = csv.reader(_lines(path))
+    with _csv_errors(name, reader):
         header = next(reader, None)
         if header is None or tuple(h.strip() for h in header) != AZURE_HEADER:
-            raise TraceFormatError(
-                name, 1, f"expected header {','.join(AZURE_HEADER)}, got {header!r}"
-            )
+            got = excerpt(",".join(header)) if header is not None else "nothing"
+            raise TraceFormatError(name, 1, f"expected header {','.join(AZURE_HEADER)}, got {got}")
         for row in reader:
             line = reader.line_num
             if not row or all(not c.strip() for c in row):
@@ -121,6 +141,7 @@ def read_azure_csv(path: Path) -> Workload:
             rows.append((t, inp, out))
     if not rows:
         raise TraceFormatError(name, 2, "the trace has no requests")
+    _check_span(path, rows)
     return _finish(f"azure:{path.name}", rows)
 
 
@@ -134,31 +155,33 @@ def read_mooncake_jsonl(path: Path, jitter_s: float = 3.0, seed: int = 0) -> Wor
     name = str(path)
     rng = np.random.default_rng(seed)
     rows: list[tuple[float, int, int]] = []
-    with _open(path) as handle:
-        for line, text in enumerate(handle, start=1):
-            if not text.strip():
-                continue
-            try:
-                record = json.loads(text)
-            except json.JSONDecodeError as exc:
-                raise TraceFormatError(name, line, f"invalid JSON: {exc.msg}") from None
-            if not isinstance(record, dict):
-                raise TraceFormatError(name, line, "expected a JSON object")
-            fields = []
-            for key in ("timestamp", "input_length", "output_length"):
-                value = record.get(key)
-                if isinstance(value, bool) or not isinstance(value, int | float):
-                    raise TraceFormatError(name, line, f"{key!r} missing or not a number")
-                if not math.isfinite(value) or value < 0:
-                    raise TraceFormatError(name, line, f"{key!r} = {value} is not >= 0")
-                fields.append(value)
-            ts_ms, inp, out = fields
-            if inp < 1 or out < 1:
-                raise TraceFormatError(name, line, "input_length and output_length must be >= 1")
-            t = ts_ms / 1000.0 + (rng.uniform(0.0, jitter_s) if jitter_s else 0.0)
-            rows.append((t, int(inp), int(out)))
+    for line, text in enumerate(_lines(path), start=1):
+        if not text.strip():
+            continue
+        try:
+            record = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise TraceFormatError(name, line, f"invalid JSON: {exc.msg}") from None
+        except (ValueError, RecursionError) as exc:  # a 4300+ digit integer, deep nesting
+            raise TraceFormatError(name, line, f"invalid JSON: {exc}") from None
+        if not isinstance(record, dict):
+            raise TraceFormatError(name, line, "expected a JSON object")
+        fields = []
+        for key in ("timestamp", "input_length", "output_length"):
+            value = record.get(key)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise TraceFormatError(name, line, f"{key!r} missing or not a number")
+            if not math.isfinite(value) or value < 0:
+                raise TraceFormatError(name, line, f"{key!r} = {value} is not a finite number >= 0")
+            fields.append(value)
+        ts_ms, inp, out = fields
+        if inp < 1 or out < 1:
+            raise TraceFormatError(name, line, "input_length and output_length must be >= 1")
+        t = ts_ms / 1000.0 + (rng.uniform(0.0, jitter_s) if jitter_s else 0.0)
+        rows.append((t, int(inp), int(out)))
     if not rows:
         raise TraceFormatError(name, 1, "the trace has no requests")
+    _check_span(path, rows)
     return _finish(f"mooncake:{path.name}", rows)
 
 
@@ -188,6 +211,11 @@ def _servegen_files(path: Path) -> list[Path]:
     return [path]
 
 
+#: Most requests one ServeGen window may generate (rate x window length): memory stays
+#: bounded whatever the rate file says.
+MAX_WINDOW_REQUESTS = 10_000_000
+
+
 def read_servegen(path: Path, options: ServeGenOptions | None = None) -> Workload:
     """Turn ServeGen per-client rate files (a file or a directory of them) into requests."""
     opts = options or ServeGenOptions()
@@ -207,6 +235,11 @@ def read_servegen(path: Path, options: ServeGenOptions | None = None) -> Workloa
             lo, hi = max(start, start_s), min(stop, end_s)
             if rate <= 0 or hi <= lo:
                 continue
+            if (stop - start) * rate > MAX_WINDOW_REQUESTS:
+                raise SimError(
+                    f"{path}: the window at {start:g} s asks for {(stop - start) * rate:.3g} "
+                    f"requests, more than the {MAX_WINDOW_REQUESTS:,} one window may replay"
+                )
             arrivals.append(_renewal_arrivals(rng, dist, shape, rate, start, stop, lo, hi))
     times = np.sort(np.concatenate(arrivals)) if arrivals else np.empty(0)
     if times.size == 0:
@@ -230,8 +263,10 @@ def _default_window(windows: list[tuple[float, float, str, float]]) -> float:
 def _servegen_windows(file: Path) -> list[tuple[float, float, str, float]]:
     name = str(file)
     out: list[tuple[float, float, str, float]] = []
-    with _open(file) as handle:
-        for line, row in enumerate(csv.reader(handle), start=1):
+    reader = csv.reader(_lines(file, "a ServeGen rate CSV"))
+    with _csv_errors(name, reader):
+        for row in reader:
+            line = reader.line_num
             if not row or all(not c.strip() for c in row):
                 continue
             if len(row) != 6:
@@ -254,7 +289,9 @@ def _servegen_windows(file: Path) -> list[tuple[float, float, str, float]]:
             if rate > 0:
                 if dist not in ("Gamma", "Weibull", "Exponential"):
                     raise TraceFormatError(
-                        name, line, f"distribution {dist!r} is not Gamma, Weibull or Exponential"
+                        name,
+                        line,
+                        f"distribution {excerpt(dist)} is not Gamma, Weibull or Exponential",
                     )
                 if dist != "Exponential" and shape <= 0:
                     raise TraceFormatError(name, line, f"{dist} shape {shape} must be > 0")
@@ -358,7 +395,7 @@ def head(workload: Workload, count: int) -> Workload:
 def detect_format(path: Path) -> str:
     """``azure``, ``mooncake`` or ``servegen`` from the path and its first line."""
     if not path.exists():
-        raise SimError(f"trace {path} does not exist")
+        raise SimError(f"{path}: no such trace file")
     if path.is_dir():
         return "servegen"
     first = next(_lines(path), "")
@@ -392,13 +429,22 @@ def load_trace(
     raise SimError(f"unknown trace format {fmt!r}; use auto, azure, mooncake or servegen")
 
 
-def _open(path: Path) -> TextIO:
+_TRACE = "a trace (Azure 2023 CSV, Mooncake JSONL or ServeGen rate CSV)"
+
+
+def _lines(path: Path, what: str = _TRACE) -> Iterator[str]:
+    """The trace's lines, strict UTF-8 (:func:`topkv.inputs.text_lines`)."""
+    return text_lines(path, what=what)
+
+
+@contextmanager
+def _csv_errors(name: str, reader: Any) -> Iterator[None]:
+    """A ``csv.Error`` (a field over the csv module's limit, a stray quote) as a
+    :class:`TraceFormatError` on the line the reader had reached."""
     try:
-        return path.open(newline="", encoding="utf-8")
-    except OSError as exc:
-        raise SimError(f"cannot read trace {path}: {exc.strerror}") from None
-
-
-def _lines(path: Path) -> Iterator[str]:
-    with _open(path) as handle:
-        yield from handle
+        yield
+    except csv.Error as exc:
+        reason = str(exc)
+        if "field larger than field limit" in reason:
+            reason = f"a field is longer than {csv.field_size_limit():,} characters"
+        raise TraceFormatError(name, max(reader.line_num, 1), f"malformed CSV: {reason}") from None

@@ -48,7 +48,13 @@ from topkv.topology.model import (
     NVLinkDomain,
 )
 from topkv.topology.paths import make_link, nvlink_generation_for
-from topkv.topology.probes import PROBES, CommandRunner, NvmlSnapshot, probe_nvml
+from topkv.topology.probes import (
+    PROBES,
+    CommandRunner,
+    NvmlSnapshot,
+    probe_nvml,
+    read_probe_output,
+)
 
 # SPEC "Reference numbers": HBM3 ~100 ns, 3,350 GB/s; CXL 3.0 Type 3 150 ns, 64 GB/s.
 _HBM = {"latency_ns": 100.0, "bandwidth_gbps": 3350.0}
@@ -125,12 +131,12 @@ def _parse_all(raw: RawOutputs, strict: bool, notes: list[str], sources: list[st
             value = fn(text)
         except NoUsableDriverError as exc:
             if strict:
-                raise
+                raise NoUsableDriverError(f"{raw.origins.get(kind, kind)}: {exc}") from None
             notes.append(f"{kind}: {exc}")
             return None
         except ParseError as exc:
-            if strict:
-                raise ParseError(f"{kind} ({raw.origins.get(kind, '?')}): {exc}") from None
+            if strict:  # saved outputs: the message starts with the file, then the kind
+                raise ParseError(f"{raw.origins.get(kind, kind)}: {exc}") from None
             notes.append(f"{kind}: unusable output: {exc}")
             return None
         sources.append(f"{kind}: {raw.origins.get(kind, 'given')}")
@@ -628,11 +634,11 @@ def discover_from_dir(
     from topkv.topology.probes import FixtureRunner
 
     if not directory.is_dir():
-        raise ParseError(f"--from {directory}: not a directory")
+        raise ParseError(f"{directory}: not a directory (--from takes a directory of tool outputs)")
     raw = collect(FixtureRunner(directory), kinds=list(PROBES))
     if not raw.texts:
         names = ", ".join(s.files[0] for s in PROBES.values())
-        raise ParseError(f"--from {directory}: no known tool output files (expected: {names})")
+        raise ParseError(f"{directory}: no known tool output files in --from (expected: {names})")
     raw.missing.clear()
     return build_node(raw, name=name or directory.name, strict=True, gpu_name=gpu_name)
 
@@ -645,10 +651,7 @@ def discover_from_files(
     for kind, path in files.items():
         if kind not in PROBES:
             raise ParseError(f"unknown output kind {kind!r}")
-        try:
-            raw.texts[kind] = path.read_text(encoding="utf-8", errors="replace")
-        except OSError as exc:
-            raise ParseError(f"cannot read {kind} file {path}: {exc.strerror}") from None
+        raw.texts[kind] = read_probe_output(path, kind)
         raw.origins[kind] = str(path)
     return build_node(raw, name=name, strict=True, gpu_name=gpu_name)
 

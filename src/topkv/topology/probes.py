@@ -15,9 +15,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
+from topkv.inputs import InputFileError, read_text
 from topkv.topology.detect.nvidia_smi import FabricInfo, NvlinkLink, normalise_bus_id
 
 Status = Literal["ok", "not-found", "failed", "timeout"]
+
+#: Largest saved tool output read (``lspci -vvv`` of a big server is a few MiB).
+MAX_PROBE_BYTES = 64 << 20
+#: Longest line (characters) of a saved tool output: tool lines are short, a jsonpath
+#: label map is a few KiB; the parsers stay fast (linear) below this.
+MAX_PROBE_LINE = 64 << 10
 
 
 @dataclass(frozen=True)
@@ -157,11 +164,24 @@ class FixtureRunner:
         args = tuple(argv)
         kind = next((k for k, s in PROBES.items() if s.argv == args), None)
         path = self.file_for(kind) if kind is not None else None
-        if path is None:
+        if path is None or kind is None:
             return CommandResult(args, "not-found", source=f"no fixture in {self.directory}")
-        return CommandResult(
-            args, "ok", path.read_text(encoding="utf-8", errors="replace"), "", 0, str(path)
+        return CommandResult(args, "ok", read_probe_output(path, kind), "", 0, str(path))
+
+
+def read_probe_output(path: Path, kind: str) -> str:
+    """A saved tool output: strict UTF-8 text without NUL bytes, not empty, at most
+    :data:`MAX_PROBE_BYTES` in lines of at most :data:`MAX_PROBE_LINE` characters; raises
+    :class:`topkv.inputs.InputFileError` naming the file."""
+    what = f"the saved output of `{' '.join(PROBES[kind].argv)}`"
+    text = read_text(path, what=what, limit=MAX_PROBE_BYTES)
+    longest = max(map(len, text.splitlines()), default=0)
+    if longest > MAX_PROBE_LINE:
+        number = next(i for i, line in enumerate(text.splitlines(), 1) if len(line) == longest)
+        raise InputFileError(
+            path, f"line of {longest:,} characters, longer than any line of {what}", number
         )
+    return text
 
 
 # --------------------------------------------------------------------------- NVML

@@ -28,6 +28,7 @@ from typing import Any
 
 import yaml
 
+from topkv.inputs import NoAliasBaseLoader
 from topkv.topology.detect.errors import ParseError
 
 TOPKV_LABEL_PREFIX = "topkv.io/"
@@ -113,8 +114,11 @@ def _nodes_from_document(doc: Any) -> list[K8sNode] | None:
     node = _node_from_object(doc)
     if node is not None:
         return [node]
-    labels = _labels_from_map(doc)  # a bare label map (jsonpath, or a YAML excerpt)
-    if labels and all(is_label_key(k) for k in labels):
+    # a bare label map (jsonpath, or a YAML excerpt): string keys to string values, as
+    # Kubernetes has them, among them a prefixed one (every node has kubernetes.io/os ...);
+    # a JSON number or list there, or only plain keys, is some other document
+    labels = _labels_from_map(doc) if all(isinstance(v, str) for v in doc.values()) else None
+    if labels and all(is_label_key(k) for k in labels) and any("/" in k for k in labels):
         return [K8sNode(name="", labels=labels)]
     return None
 
@@ -127,7 +131,8 @@ def _decode_structured(text: str) -> list[K8sNode] | None:
         except (ValueError, RecursionError):
             pass
     try:
-        doc = yaml.load(text, Loader=yaml.BaseLoader)  # BaseLoader: every scalar a string
+        # every scalar a string; aliases refused (kubectl writes none; nothing expands)
+        doc = yaml.load(text, Loader=NoAliasBaseLoader)
     except (yaml.YAMLError, ValueError, RecursionError):
         return None
     return _nodes_from_document(doc)
