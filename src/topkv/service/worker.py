@@ -31,7 +31,6 @@ import zlib
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from aiohttp import web
 from aiohttp.typedefs import Handler
@@ -80,11 +79,9 @@ from topkv.transport.base import (
 )
 from topkv.transport.emulated import EmulatedSource, LinkModel
 from topkv.transport.errors import TransferTimeout, TransportError
+from topkv.transport.faults import CorruptingSource
 from topkv.transport.shm import ShmSink
 from topkv.transport.tcp import TcpSink
-
-if TYPE_CHECKING:
-    from topkv.relay.chaos import CorruptingSource
 
 log = logging.getLogger(__name__)
 
@@ -554,8 +551,6 @@ class WorkerService:
             link = LinkModel(TransportMode(source.mode), faults.slow_gbps, 50e-6)
             source = EmulatedSource(source, link)
         if faults.corrupt_rate > 0:
-            from topkv.relay.chaos import CorruptingSource  # only chaos runs need it
-
             seed = faults.seed * 1_000_003 + zlib.crc32(medium.encode())
             corrupter = CorruptingSource(source, faults.corrupt_rate, seed)
             self._corrupters.append(corrupter)
