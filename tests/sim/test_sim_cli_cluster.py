@@ -115,6 +115,18 @@ def test_cli_bad_input_is_one_line(tmp_path: Path) -> None:
     assert "bad.csv:2" in str(result.exception)
 
 
+def test_cluster_file_that_cannot_run_the_model_names_the_file_before_simulating(
+    tmp_path: Path,
+) -> None:
+    odd = tmp_path / "odd.yaml"
+    odd.write_text("node_groups:\n  - count: 1\n    gpu: H100\n    gpus_per_node: 7\n")
+    result = CliRunner().invoke(_typer_app, ["sim", "--cluster", str(odd), "--limit", "5"])
+    assert isinstance(result.exception, ClusterSpecError)
+    message = str(result.exception)
+    assert message.startswith(f"{odd}: tensor parallelism 4 does not divide 7 GPUs per node")
+    assert "requests" not in result.output  # failed before any progress bar or simulation
+
+
 def test_builtin_clusters_shape() -> None:
     assert set(BUILTIN_CLUSTERS) == {"4x-dgx-h100", "2x-gb200-nvl72", "8x-l40s-pcie"}
     dgx = SimCluster.build(load_cluster_spec("4x-dgx-h100"), tp=4)

@@ -14,7 +14,8 @@ from topkv.errors import ConfigError
 from topkv.jsonout import dumps
 from topkv.kv import get_model, load_hf_config
 from topkv.packaged import SAMPLE_TRACE
-from topkv.sim.cluster import load_cluster_spec
+from topkv.sim.cluster import SimCluster, load_cluster_spec
+from topkv.sim.errors import ClusterSpecError, SimError
 from topkv.sim.report import SimReport
 from topkv.sim.runner import POLICIES, SimConfig, run_policy
 from topkv.sim.workload import ServeGenOptions, head, load_trace, scale_rate
@@ -25,6 +26,18 @@ def _parse_ratio(text: str) -> tuple[int, int]:
     if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
         raise ConfigError(f"--pd-ratio {text!r} is not P:D (for example 1:1 or 2:3)")
     return int(parts[0]), int(parts[1])
+
+
+def _check_runnable(config: SimConfig, cluster: str) -> None:
+    """Build the simulated cluster once, before any progress bar: a cluster that cannot run
+    this model (TP does not divide a node, a pool without GPUs) fails here, naming its file."""
+    try:
+        tp = config.resolved_tp()
+        config.compute_model(tp)
+        SimCluster.build(config.cluster, tp, config.pd_ratio)
+    except (SimError, ConfigError) as exc:
+        where = f"{cluster}: " if Path(cluster).is_file() else ""
+        raise ClusterSpecError(f"{where}{exc}") from None
 
 
 def sim_command(
@@ -92,6 +105,7 @@ def sim_command(
         slo_ttft_s=slo_ttft_ms / 1e3,
         slo_tpot_s=slo_tpot_ms / 1e3,
     )
+    _check_runnable(base, cluster)
     err = Console(stderr=True)
     results = []
     started = time.perf_counter()

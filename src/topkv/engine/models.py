@@ -7,7 +7,6 @@ decoding bit-reproducible, which is what lets the demo check token identity.
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ from topkv.engine.deps import require_model_extra
 from topkv.engine.errors import UnsupportedModelError
 from topkv.engine.layout import torch_dtype_name
 from topkv.engine.spec import DemoModelConfig, KVModelSpec
+from topkv.inputs import InputFileError, load_json
 
 require_model_extra()
 
@@ -150,7 +150,10 @@ def load_model(path: str | Path) -> LoadedModel:
             "(the one save_pretrained writes)"
         )
     try:
-        json.loads(config_file.read_text())
+        load_json(config_file, what="a Hugging Face config.json")
+    except InputFileError as exc:
+        raise UnsupportedModelError(str(exc)) from None
+    try:
         config = AutoConfig.from_pretrained(directory, local_files_only=True)
     except (OSError, ValueError, KeyError) as exc:
         raise UnsupportedModelError(f"{config_file}: cannot read the model config: {exc}") from exc
