@@ -205,7 +205,7 @@ def run_topkv(transport: str, size: int, repeat: int) -> dict[str, Any]:
 def run_topkv_over_engine(
     transport: str, size: int, repeat: int, options: dict[str, Any]
 ) -> dict[str, Any]:
-    from topkv.transport.backends import run_engine_benchmark
+    from topkv.harness.engine_bench import run_engine_benchmark
 
     report = run_engine_benchmark(transport, size, repeat, options)
     return {"gbps": report["gbps"], "checksum": report["checksum"]}
@@ -232,8 +232,8 @@ def main() -> None:
         return
     _in_private_netns()
     sys.path.insert(0, str(ROOT / "src"))
-    from topkv.transport.backends import missing_package
     from topkv.transport.benchmark import bench_layout
+    from topkv.transport.engines import missing_package
 
     size = bench_layout(size).total_bytes  # the TopKV runs' exact size, for every row
     rows: dict[str, dict[str, Any]] = {}

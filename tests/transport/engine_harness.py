@@ -14,7 +14,8 @@ from typing import ClassVar
 
 import pytest
 
-from topkv.transport.backends import PrivateNetns, expected_digest, spawn_sender, spawn_sink
+from topkv.harness.netns import PrivateNetns
+from topkv.harness.peers import expected_digest, spawn_sender, spawn_sink
 from topkv.transport.base import KVLayout
 
 LAYOUTS = [

@@ -11,17 +11,10 @@ import threading
 
 import pytest
 
-from topkv.transport.backends import (
-    ARENA_ALIGN,
-    Arena,
-    expected_digest,
-    kv_digest,
-    missing_package,
-    parse_engine_address,
-    spawn_sender,
-    spawn_sink,
-)
+from topkv.harness.peers import expected_digest, kv_digest, spawn_sender, spawn_sink
 from topkv.transport.base import KVLayout, TransferDescriptor
+from topkv.transport.engine import ARENA_ALIGN, Arena, parse_engine_address
+from topkv.transport.engines import missing_package
 from topkv.transport.errors import FrameRejected, ResourceExhausted, TransportError
 
 SECRET = b"cuda-test-secret"
@@ -118,7 +111,7 @@ def test_flat_bytes_views_host_tensors_without_copying() -> None:
 def test_cuda_transport_is_unavailable_without_a_gpu() -> None:
     if _no_gpu is None:
         pytest.skip("a GPU is present")
-    from topkv.transport.backends import make_sink
+    from topkv.transport.engines import make_sink
     from topkv.transport.errors import TransportUnavailable
 
     with pytest.raises(TransportUnavailable, match="cuda"):

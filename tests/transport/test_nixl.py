@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 from engine_harness import PeerEngineCases
 
-from topkv.transport.backends import missing_package, netns_available
+from topkv.harness.netns import netns_available
+from topkv.transport.engines import missing_package
 
 _why_not = missing_package("nixl") or netns_available()
 pytestmark = pytest.mark.skipif(_why_not is not None, reason=str(_why_not))

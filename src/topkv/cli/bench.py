@@ -52,12 +52,13 @@ def register(app: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
     ) -> None:
         """Send a KV cache from this process to a spawned receiver; compare to the limit."""
-        from topkv.transport.backends import ENGINE_TRANSPORTS, run_engine_benchmark
+        from topkv.harness.engine_bench import run_engine_benchmark
         from topkv.transport.benchmark import (
             BenchConfig,
             crc_overhead_report,
             run_transfer_benchmark,
         )
+        from topkv.transport.engines import ENGINE_TRANSPORTS
 
         if transport in ENGINE_TRANSPORTS:
             report = run_engine_benchmark(transport, parse_size(size), repeat)

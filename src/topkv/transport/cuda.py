@@ -1,6 +1,6 @@
 """CUDA transport through PyTorch: GPU->GPU and host->GPU, between processes or in one.
 
-Mapping onto the contract (see :mod:`topkv.transport.backends` for the shared protocol):
+Mapping onto the contract (see :mod:`topkv.transport.engine` for the shared protocol):
 
 * :class:`CudaSink` allocates its arena as one ``uint8`` tensor on ``cuda:<device>`` and
   shares it with each authenticated source as a **CUDA IPC handle** (PyTorch's own
@@ -40,15 +40,17 @@ import warnings
 from collections.abc import Sequence
 from typing import Any, Unpack, cast
 
-from topkv.transport import backends, framing
-from topkv.transport.backends import (
-    EngineLayer,
-    EngineSink,
-    EngineSinkOptions,
-    EngineSource,
-    EngineSourceOptions,
-)
+from topkv.transport import framing
 from topkv.transport.base import LayerTensors, TransferDescriptor, TransportMode
+from topkv.transport.engine import (
+    EngineLayer,
+    SinkEngine,
+    SourceEngine,
+    dumps_metadata,
+    loads_metadata,
+)
+from topkv.transport.engine_sink import EngineSink, EngineSinkOptions
+from topkv.transport.engine_source import EngineSource, EngineSourceOptions
 from topkv.transport.errors import (
     FrameRejected,
     PeerDied,
@@ -158,7 +160,7 @@ def _host_crc(tensor: Any, staging: _PinnedStaging) -> int:
     return framing.crc64(host.numpy())
 
 
-class _CudaSinkEngine(backends.SinkEngine):
+class _CudaSinkEngine(SinkEngine):
     def __init__(self, capacity: int, device: int) -> None:
         torch = _torch()
         self.capacity = capacity
@@ -177,7 +179,7 @@ class _CudaSinkEngine(backends.SinkEngine):
                 self._handle = encode_ipc_handle(self.arena)
             handle = self._handle
         fields = {"pid": os.getpid(), "token": self.token, "handle": handle.hex()}
-        return backends.dumps_metadata(fields)
+        return dumps_metadata(fields)
 
     def crc(self, offset: int, nbytes: int) -> int:
         with self._lock:
@@ -201,7 +203,7 @@ class _CudaSinkEngine(backends.SinkEngine):
             _LOCAL_ARENAS.pop(self.token, None)
 
 
-class _CudaSourceEngine(backends.SourceEngine):
+class _CudaSourceEngine(SourceEngine):
     def __init__(self) -> None:
         self.torch = _torch()
         self._staging = _PinnedStaging()
@@ -240,7 +242,7 @@ class _CudaSourceEngine(backends.SourceEngine):
             return _host_crc(tensor, self._staging)
 
     def attach(self, metadata: bytes, host: str) -> Any:
-        fields = backends.loads_metadata(metadata, ("pid", "token", "handle"))
+        fields = loads_metadata(metadata, ("pid", "token", "handle"))
         if fields["pid"] == os.getpid():
             with _LOCAL_LOCK:
                 arena = _LOCAL_ARENAS.get(str(fields["token"]))

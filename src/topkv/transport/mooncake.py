@@ -1,6 +1,6 @@
 """Mooncake Transfer Engine-backed transport: batched writes into the sink's arena.
 
-Mapping onto the contract (see :mod:`topkv.transport.backends` for the shared protocol):
+Mapping onto the contract (see :mod:`topkv.transport.engine` for the shared protocol):
 
 * :class:`MooncakeSink` starts a ``TransferEngine`` with the P2P handshake (no metadata
   server: ``"P2PHANDSHAKE"``), registers its host arena and sends its session id
@@ -24,21 +24,24 @@ import threading
 from collections.abc import Sequence
 from typing import Any, Unpack
 
-from topkv.transport import backends
-from topkv.transport.backends import (
-    EngineSink,
-    EngineSinkOptions,
-    EngineSource,
-    EngineSourceOptions,
-)
 from topkv.transport.base import TransportMode
+from topkv.transport.engine import (
+    INSTALL_HINT,
+    HostSinkEngine,
+    HostSourceEngine,
+    buffer_address,
+    dumps_metadata,
+    loads_metadata,
+)
+from topkv.transport.engine_sink import EngineSink, EngineSinkOptions
+from topkv.transport.engine_source import EngineSource, EngineSourceOptions
 from topkv.transport.errors import PeerDied, TransportError, TransportUnavailable
 
 try:
     from mooncake.engine import TransferEngine
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise TransportUnavailable(
-        f"mooncake-transfer-engine is not installed ({backends.INSTALL_HINT}): {exc}"
+        f"mooncake-transfer-engine is not installed ({INSTALL_HINT}): {exc}"
     ) from exc
 
 DEFAULT_ARENA_BYTES = 1 << 30
@@ -56,7 +59,7 @@ def _start_engine(host: str, protocol: str, device: str) -> Any:
     return engine
 
 
-class _MooncakeSinkEngine(backends.HostSinkEngine):
+class _MooncakeSinkEngine(HostSinkEngine):
     def __init__(self, capacity: int, host: str, protocol: str, device: str) -> None:
         self.host = host
         self.engine = _start_engine(host, protocol, device)
@@ -67,7 +70,7 @@ class _MooncakeSinkEngine(backends.HostSinkEngine):
 
     def metadata(self) -> bytes:
         port = self.engine.get_rpc_port()
-        return backends.dumps_metadata({"rpc_port": port, "base": self.arena.address})
+        return dumps_metadata({"rpc_port": port, "base": self.arena.address})
 
     def deregister(self) -> None:
         self.engine.unregister_memory(self.arena.address)
@@ -79,13 +82,13 @@ class _MooncakePeer:
         self.base = base
 
 
-class _MooncakeSourceEngine(backends.HostSourceEngine):
+class _MooncakeSourceEngine(HostSourceEngine):
     def __init__(self, host: str, protocol: str, device: str) -> None:
         self.engine = _start_engine(host, protocol, device)
         self._lock = threading.Lock()
 
     def attach(self, metadata: bytes, host: str) -> _MooncakePeer:
-        fields = backends.loads_metadata(metadata, ("rpc_port", "base"))
+        fields = loads_metadata(metadata, ("rpc_port", "base"))
         wrapped = f"[{host}]" if ":" in host else host
         return _MooncakePeer(f"{wrapped}:{int(fields['rpc_port'])}", int(fields["base"]))
 
@@ -98,7 +101,7 @@ class _MooncakeSourceEngine(backends.HostSourceEngine):
     ) -> None:
         if abort.is_set():
             raise PeerDied("Mooncake write abandoned: the sink's control channel died")
-        addresses = [backends.buffer_address(view) for view, _ in pieces]
+        addresses = [buffer_address(view) for view, _ in pieces]
         lengths = [len(view) for view, _ in pieces]
         targets = [peer.base + offset for _, offset in pieces]
         engine = self.engine

@@ -1,6 +1,6 @@
 """NIXL-backed transport: one-sided UCX writes into the sink's registered host arena.
 
-Mapping onto the contract (see :mod:`topkv.transport.backends` for the shared protocol):
+Mapping onto the contract (see :mod:`topkv.transport.engine` for the shared protocol):
 
 * :class:`NixlSink` creates a NIXL agent with the UCX backend, registers its host arena
   (``DRAM``) and sends the agent metadata to each source over the control channel.
@@ -25,14 +25,18 @@ import time
 from collections.abc import Sequence
 from typing import Any, Unpack
 
-from topkv.transport import backends
-from topkv.transport.backends import (
-    EngineSink,
-    EngineSinkOptions,
-    EngineSource,
-    EngineSourceOptions,
-)
 from topkv.transport.base import TransportMode
+from topkv.transport.engine import (
+    INSTALL_HINT,
+    HostSinkEngine,
+    HostSourceEngine,
+    buffer_address,
+    dumps_metadata,
+    loads_metadata,
+    unique_name,
+)
+from topkv.transport.engine_sink import EngineSink, EngineSinkOptions
+from topkv.transport.engine_source import EngineSource, EngineSourceOptions
 from topkv.transport.errors import PeerDied, TransferTimeout, TransportError, TransportUnavailable
 
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs INFO to stdout otherwise
@@ -40,7 +44,7 @@ os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs INFO to stdout othe
 try:
     from nixl_cu12 import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    raise TransportUnavailable(f"nixl is not installed ({backends.INSTALL_HINT}): {exc}") from exc
+    raise TransportUnavailable(f"nixl is not installed ({INSTALL_HINT}): {exc}") from exc
 
 POLL_SECONDS = 50e-6
 DEFAULT_ARENA_BYTES = 1 << 30
@@ -55,7 +59,7 @@ def _make_agent(prefix: str, ucx_tls: str | None) -> Any:
         sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
     )
     try:
-        agent = nixl_agent(backends.unique_name(prefix), config)
+        agent = nixl_agent(unique_name(prefix), config)
     except Exception as exc:
         raise TransportUnavailable(f"cannot create a NIXL agent: {exc}") from exc
     if "UCX" not in agent.backends:
@@ -63,7 +67,7 @@ def _make_agent(prefix: str, ucx_tls: str | None) -> Any:
     return agent
 
 
-class _NixlSinkEngine(backends.HostSinkEngine):
+class _NixlSinkEngine(HostSinkEngine):
     def __init__(self, capacity: int, ucx_tls: str | None) -> None:
         self.agent = _make_agent("topkv-sink", ucx_tls)
         super().__init__(capacity)
@@ -73,7 +77,7 @@ class _NixlSinkEngine(backends.HostSinkEngine):
 
     def metadata(self) -> bytes:
         fields = {"base": self.arena.address, "agent": self.agent.get_agent_metadata().hex()}
-        return backends.dumps_metadata(fields)
+        return dumps_metadata(fields)
 
     def deregister(self) -> None:
         self.agent.deregister_memory(self._registered)
@@ -85,13 +89,13 @@ class _NixlPeer:
         self.base = base
 
 
-class _NixlSourceEngine(backends.HostSourceEngine):
+class _NixlSourceEngine(HostSourceEngine):
     def __init__(self, ucx_tls: str | None) -> None:
         self.agent = _make_agent("topkv-source", ucx_tls)
         self._lock = threading.Lock()
 
     def attach(self, metadata: bytes, host: str) -> _NixlPeer:
-        fields = backends.loads_metadata(metadata, ("base", "agent"))
+        fields = loads_metadata(metadata, ("base", "agent"))
         try:
             with self._lock:
                 name = self.agent.add_remote_agent(bytes.fromhex(fields["agent"]))
@@ -106,7 +110,7 @@ class _NixlSourceEngine(backends.HostSourceEngine):
         timeout: float,
         abort: threading.Event,
     ) -> None:
-        local = [(backends.buffer_address(view), len(view), 0) for view, _ in pieces]
+        local = [(buffer_address(view), len(view), 0) for view, _ in pieces]
         remote = [(peer.base + offset, len(view), 0) for view, offset in pieces]
         agent = self.agent
         registered = agent.register_memory([(a, n, 0, "") for a, n, _ in local], "DRAM")

@@ -1,0 +1,11 @@
+"""Harnesses that drive the library from outside: processes, namespaces, benchmarks.
+
+Above :mod:`topkv.service` in the layer order (cli > harness > demo | sim > service > relay >
+transport > ...): nothing in the library imports a harness.
+
+* :mod:`topkv.harness.netns`: a loopback-only private network namespace (NIXL and Mooncake
+  bind every interface, so tests and benchmarks run them in one).
+* :mod:`topkv.harness.peers`: the two-process peer (``python -m topkv.harness.peers
+  sink|send``) the engine tests and benchmarks drive.
+* :mod:`topkv.harness.engine_bench`: ``topkv bench transfer --transport nixl|mooncake|cuda``.
+"""

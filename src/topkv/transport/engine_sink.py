@@ -1,0 +1,316 @@
+"""Receiving end of the engine protocol (:mod:`topkv.transport.engine`).
+
+:class:`EngineSink` owns the engine's registered arena and the authenticated control
+socket; one :class:`_SinkSession` per source connection reserves regions, verifies each
+layer the engine wrote against its frame header's CRC-64s and acknowledges the transfer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import TypedDict
+
+from topkv import wire
+from topkv.transport import framing
+from topkv.transport.base import (
+    LayerCallback,
+    LayerTensors,
+    ReceivedKV,
+    TransferDescriptor,
+    TransferSink,
+    TransportMode,
+)
+from topkv.transport.engine import (
+    KEY_END,
+    KEY_OFFSET,
+    Arena,
+    SinkEngine,
+    control_record,
+    send_hello,
+)
+from topkv.transport.errors import (
+    AuthenticationFailed,
+    ChecksumMismatch,
+    FrameRejected,
+    PeerDied,
+    ResourceExhausted,
+    TransferCancelled,
+    TransferTimeout,
+    TransportError,
+)
+from topkv.transport.handshake import server_handshake
+from topkv.transport.receiving import (
+    LayerMessage,
+    ReceiveTable,
+    TransferMessage,
+    read_message,
+    status_for,
+)
+from topkv.transport.sockio import send_buffers
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Incoming:
+    descriptor: TransferDescriptor
+    offset: int
+    layers: list[LayerTensors]
+    arrived: set[int] = field(default_factory=set)
+    error: TransportError | None = None
+
+
+class EngineSinkOptions(TypedDict, total=False):
+    """Control-channel options every engine's sink passes on to :class:`EngineSink`."""
+
+    port: int
+    on_layer: LayerCallback | None
+    limits: framing.ReceiveLimits | None
+    io_timeout: float
+    verify: bool
+
+
+class EngineSink(TransferSink):
+    """Receives KV written by an engine into this sink's arena (see the module docstring)."""
+
+    name = "engine"
+    mode = TransportMode.TCP
+
+    def __init__(
+        self,
+        engine: SinkEngine,
+        secret: bytes,
+        *,
+        scheme: str,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        on_layer: LayerCallback | None = None,
+        limits: framing.ReceiveLimits | None = None,
+        io_timeout: float = 30.0,
+        handshake_timeout: float = 5.0,
+        verify: bool = True,
+    ) -> None:
+        self.engine = engine
+        self._secret = secret
+        self._scheme = scheme
+        self._on_layer = on_layer
+        self._limits = limits or framing.ReceiveLimits()
+        self._io_timeout = io_timeout
+        self._handshake_timeout = handshake_timeout
+        self._verify = verify
+        self._arena = Arena(engine.capacity)
+        self._table = ReceiveTable()
+        self._closed = threading.Event()
+        self._lock = threading.Lock()
+        self._conns: set[socket.socket] = set()
+        self._listener = socket.create_server((host, port))
+        self._host = host
+        self._port = self._listener.getsockname()[1]
+        threading.Thread(target=self._accept_loop, name=f"{scheme}-accept", daemon=True).start()
+
+    @property
+    def address(self) -> str:
+        host = f"[{self._host}]" if ":" in self._host else self._host
+        return f"{self._scheme}://{host}:{self._port}"
+
+    def receive(self, request_id: int) -> Future[ReceivedKV]:
+        return self._table.receive(request_id)
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+        with self._lock:
+            conns = list(self._conns)
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+        self._arena.close()
+        self._table.close()
+        self.engine.close()
+
+    def _accept_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with self._lock:
+            self._conns.add(conn)
+        session = _SinkSession(self, conn)
+        try:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.settimeout(self._handshake_timeout)
+            try:
+                server_handshake(conn, self._secret)
+                send_hello(conn, self.engine.capacity, self.engine.metadata())
+            except (AuthenticationFailed, TransportError, OSError) as exc:
+                log.warning("%s sink: refused a connection: %s", self._scheme, exc)
+                return
+            session.run()
+        finally:
+            session.end()
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+
+class _SinkSession:
+    """Receiver side of one control connection."""
+
+    def __init__(self, sink: EngineSink, conn: socket.socket) -> None:
+        self.sink = sink
+        self.conn = conn
+        self.send_lock = threading.Lock()
+        self.transfers: dict[int, _Incoming] = {}
+        self.by_key: dict[bytes, _Incoming] = {}
+        self.alive = True
+
+    def send(self, record: bytes) -> None:
+        with self.send_lock:
+            if self.alive:
+                with contextlib.suppress(TransportError, OSError):
+                    send_buffers(self.conn, [record])
+
+    def run(self) -> None:
+        sink = self.sink
+        try:
+            while not sink._closed.is_set():
+                self.conn.settimeout(sink._io_timeout if self.transfers else None)
+                message = read_message(self.conn, sink._limits)
+                if isinstance(message, TransferMessage):
+                    self._open(message)
+                elif isinstance(message, LayerMessage):
+                    self._layer(message)
+                else:
+                    self.control_record(message)
+        except (PeerDied, TransferTimeout, FrameRejected) as exc:
+            self._fail_all(type(exc)(f"{sink._scheme} sender: {exc}"))
+        except OSError as exc:
+            self._fail_all(PeerDied(f"{sink._scheme} control connection failed: {exc}"))
+
+    def _fail_all(self, error: TransportError) -> None:
+        for state in list(self.transfers.values()):
+            rid = state.descriptor.request_id
+            got, total = len(state.arrived), state.descriptor.layout.num_layers
+            self._drop(state)
+            self.sink._table.fail(
+                rid, type(error)(f"request {rid}: {error} (after {got}/{total} layers)")
+            )
+
+    def end(self) -> None:
+        self.alive = False
+        self._fail_all(PeerDied(f"{self.sink._scheme} sender went away"))
+
+    def _drop(self, state: _Incoming) -> None:
+        rid = state.descriptor.request_id
+        self.transfers.pop(rid, None)
+        self.by_key.pop(wire.request_key(str(rid)), None)
+        self.sink._arena.free(state.offset, state.descriptor.layout.total_bytes)
+
+    def _open(self, message: TransferMessage) -> None:
+        descriptor = message.descriptor
+        rid = descriptor.request_id
+        if message.streams != 1:
+            raise FrameRejected(f"{self.sink._scheme} transfers use one stream")
+        if rid in self.transfers:
+            raise FrameRejected(f"request {rid} opened twice")
+        try:
+            self.sink._table.claimable(rid)
+            offset = self.sink._arena.allocate(descriptor.layout.total_bytes, self.sink._io_timeout)
+        except (ResourceExhausted, FrameRejected, TransferCancelled) as exc:
+            self.send(
+                control_record(framing.ControlKind.ACK, rid, status=status_for(exc), text=str(exc))
+            )
+            return
+        state = _Incoming(descriptor, offset, self.sink.engine.carve(offset, descriptor))
+        self.transfers[rid] = state
+        self.by_key[wire.request_key(str(rid))] = state
+        self.send(
+            control_record(
+                framing.ControlKind.USE_SEGMENT,
+                rid,
+                arg0=offset,
+                arg1=descriptor.layout.total_bytes,
+            )
+        )
+
+    def _layer(self, message: LayerMessage) -> None:
+        state = self.by_key.get(bytes(message.raw[KEY_OFFSET:KEY_END]))
+        if state is None:
+            raise FrameRejected("layer frame for a request that is not open")
+        header = framing.decode_layer_header(message.raw, state.descriptor)
+        if header.layer in state.arrived:
+            raise FrameRejected(f"request {header.request_id}: layer {header.layer} sent twice")
+        state.arrived.add(header.layer)
+        if state.error is not None:
+            return
+        layout = state.descriptor.layout
+        if self.sink._verify:
+            base = state.offset + header.layer * layout.layer_bytes
+            for index, crc in enumerate(header.crcs):
+                start = base + index * layout.tensor_bytes
+                if self.sink.engine.crc(start, layout.tensor_bytes) != crc:
+                    state.error = ChecksumMismatch(
+                        f"request {header.request_id} layer {header.layer} tensor {index}: "
+                        "CRC-64 mismatch"
+                    )
+                    return
+        if self.sink._on_layer is not None:
+            try:
+                self.sink._on_layer(state.descriptor, header.layer, state.layers[header.layer])
+            except Exception as exc:
+                state.error = TransportError(f"on_layer callback raised: {exc!r}")
+
+    def control_record(self, control: framing.Control) -> None:
+        rid = control.request_id
+        if control.kind == framing.ControlKind.DONE:
+            state = self.transfers.get(rid)
+            if state is None:
+                raise FrameRejected(f"DONE for request {rid}, which is not open")
+            self._done(state)
+        elif control.kind == framing.ControlKind.CANCEL:
+            state = self.transfers.get(rid)
+            if state is not None:
+                self._drop(state)
+                self.sink._table.fail(rid, TransferCancelled(f"sender cancelled request {rid}"))
+        else:
+            raise FrameRejected(f"unexpected control record {control.kind.name} from a sender")
+
+    def _done(self, state: _Incoming) -> None:
+        rid = state.descriptor.request_id
+        missing = state.descriptor.layout.num_layers - len(state.arrived)
+        if state.error is None and missing:
+            state.error = FrameRejected(f"request {rid}: {missing} layers never arrived")
+        if state.error is not None:
+            error = state.error
+            self._drop(state)
+            self.send(
+                control_record(
+                    framing.ControlKind.ACK, rid, status=status_for(error), text=str(error)
+                )
+            )
+            self.sink._table.fail(rid, error)
+            return
+        self.transfers.pop(rid, None)
+        self.by_key.pop(wire.request_key(str(rid)), None)
+        arena, offset, size = self.sink._arena, state.offset, state.descriptor.layout.total_bytes
+
+        def release() -> None:
+            arena.free(offset, size)
+
+        self.send(control_record(framing.ControlKind.ACK, rid))
+        self.sink._table.complete(
+            ReceivedKV(state.descriptor, state.layers, self.sink._verify, release)
+        )

@@ -1,0 +1,128 @@
+"""The engine-backed transports (nixl, mooncake, cuda): availability, factory, registration.
+
+The only module that imports the engines (:mod:`~topkv.transport.nixl`,
+:mod:`~topkv.transport.mooncake`, :mod:`~topkv.transport.cuda`), lazily, once their package
+is known to load: ``make_source`` / ``make_sink`` build one, :func:`missing_package` says why
+one cannot be built here, and :func:`register_all` adds them to
+:mod:`topkv.transport.registry`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from topkv.transport import registry
+from topkv.transport.base import TransferSink, TransferSource, TransportMode
+from topkv.transport.engine import INSTALL_HINT
+from topkv.transport.errors import TransportUnavailable
+
+ENGINE_TRANSPORTS: dict[str, tuple[TransportMode, str]] = {
+    "nixl": (TransportMode.RDMA, "NIXL agent, UCX backend (optional extra)"),
+    "mooncake": (TransportMode.TCP, "Mooncake Transfer Engine, TCP protocol (optional extra)"),
+    "cuda": (TransportMode.NVLINK, "CUDA peer copies and IPC through PyTorch (needs a GPU)"),
+}
+
+
+def missing_package(transport: str) -> str | None:
+    """None when ``transport``'s engine package is importable, else why it is not."""
+    module = {"nixl": "nixl_cu12", "mooncake": "mooncake.engine", "cuda": "torch"}[transport]
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        found = False
+    if not found:
+        return f"{transport}: Python module {module} is not installed ({INSTALL_HINT})"
+    if transport != "cuda":
+        try:  # installed but unloadable (e.g. Mooncake without libibverbs1) counts as absent
+            importlib.import_module(module)
+        except (ImportError, OSError) as exc:
+            return f"{transport}: {module} does not load ({exc}; {INSTALL_HINT})"
+    if transport == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            return "cuda: torch.cuda.is_available() is False (no GPU or no CUDA build of torch)"
+    return None
+
+
+def make_source(transport: str, secret: bytes, **options: Any) -> TransferSource:
+    """A source of ``transport`` (nixl | mooncake | cuda); TransportUnavailable if absent."""
+    reason = missing_package(transport)
+    if reason is not None:
+        raise TransportUnavailable(reason)
+    if transport == "nixl":
+        from topkv.transport.nixl import NixlSource
+
+        return NixlSource(secret, **options)
+    if transport == "mooncake":
+        from topkv.transport.mooncake import MooncakeSource
+
+        return MooncakeSource(secret, **options)
+    from topkv.transport.cuda import CudaSource
+
+    return CudaSource(secret, **options)
+
+
+def make_sink(transport: str, secret: bytes, **options: Any) -> TransferSink:
+    """A sink of ``transport`` (nixl | mooncake | cuda); TransportUnavailable if absent."""
+    reason = missing_package(transport)
+    if reason is not None:
+        raise TransportUnavailable(reason)
+    if transport == "nixl":
+        from topkv.transport.nixl import NixlSink
+
+        return NixlSink(secret, **options)
+    if transport == "mooncake":
+        from topkv.transport.mooncake import MooncakeSink
+
+        return MooncakeSink(secret, **options)
+    from topkv.transport.cuda import CudaSink
+
+    return CudaSink(secret, **options)
+
+
+def register_all(
+    *,
+    host: str = "127.0.0.1",
+    capacity_bytes: int | None = None,
+    available_only: bool = False,
+) -> dict[str, str | None]:
+    """Add nixl, mooncake and cuda to :mod:`topkv.transport.registry`; idempotent.
+
+    Returns ``{name: None}`` for each engine that can run here and ``{name: reason}`` (what
+    is missing and how to install it) for the others. A missing engine is still registered
+    (its description says why it is unavailable, and making its source or sink raises
+    ``TransportUnavailable`` with the reason) unless ``available_only``. The registered
+    factories take only the shared secret: sinks listen on ``host`` (also the local address
+    of Mooncake's own engine) with an arena of ``capacity_bytes`` (each engine's default,
+    1 GiB, when None).
+    """
+    sink_options: dict[str, Any] = {"host": host}
+    if capacity_bytes is not None:
+        sink_options["capacity_bytes"] = capacity_bytes
+    reasons: dict[str, str | None] = {}
+    for name, (mode, description) in ENGINE_TRANSPORTS.items():
+        reason = reasons[name] = missing_package(name)
+        if reason is not None and available_only:
+            continue
+        source_options: dict[str, Any] = {"host": host} if name == "mooncake" else {}
+        registry.register(
+            registry.TransportInfo(
+                name=name,
+                mode=mode,
+                emulated=False,
+                make_source=_factory(make_source, name, source_options),
+                make_sink=_factory(make_sink, name, sink_options),
+                description=description + (f" - unavailable: {reason}" if reason else ""),
+            )
+        )
+    return reasons
+
+
+def _factory(
+    make: Callable[..., Any], name: str, options: Mapping[str, Any]
+) -> Callable[[bytes], Any]:
+    return lambda secret: make(name, secret, **options)

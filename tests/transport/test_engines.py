@@ -1,0 +1,67 @@
+"""The engine factory's registration: what ``register_all`` puts in the transport registry."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from topkv.transport import engines, registry
+from topkv.transport.base import TransportMode
+from topkv.transport.errors import TransportUnavailable
+
+
+@pytest.fixture(autouse=True)
+def scratch_registry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Register into a copy, so other tests see the registry as it was."""
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+
+
+def test_registers_every_engine_and_reports_why_one_is_missing() -> None:
+    reasons = engines.register_all()
+    assert set(reasons) == {"nixl", "mooncake", "cuda"}
+    for name, (mode, _) in engines.ENGINE_TRANSPORTS.items():
+        info = registry.get(name)
+        assert (info.name, info.mode, info.emulated) == (name, mode, False)
+        assert reasons[name] == engines.missing_package(name)
+        if reasons[name] is not None:
+            assert "unavailable" in info.description
+            with pytest.raises(TransportUnavailable, match=name):
+                info.make_source(b"secret")
+            with pytest.raises(TransportUnavailable, match=name):
+                info.make_sink(b"secret")
+    assert registry.get("cuda").mode is TransportMode.NVLINK
+    assert engines.register_all() == reasons  # idempotent
+
+
+def test_available_only_leaves_missing_engines_out() -> None:
+    before = set(registry.available())
+    reasons = engines.register_all(available_only=True)
+    added = set(registry.available()) - before
+    assert added == {name for name, reason in reasons.items() if reason is None}
+
+
+def test_registered_factories_bind_host_and_capacity(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[str, str, bytes, dict[str, Any]]] = []
+
+    def fake(kind: str) -> Any:
+        def make(name: str, secret: bytes, **options: Any) -> str:
+            calls.append((kind, name, secret, options))
+            return f"{kind}:{name}"
+
+        return make
+
+    monkeypatch.setattr(engines, "missing_package", lambda name: None)
+    monkeypatch.setattr(engines, "make_sink", fake("sink"))
+    monkeypatch.setattr(engines, "make_source", fake("source"))
+    assert engines.register_all(host="10.0.0.7", capacity_bytes=1 << 20) == dict.fromkeys(
+        engines.ENGINE_TRANSPORTS
+    )
+    for name in engines.ENGINE_TRANSPORTS:
+        registry.get(name).make_sink(b"s")
+        registry.get(name).make_source(b"s")
+    sinks = {name: options for kind, name, _, options in calls if kind == "sink"}
+    sources = {name: options for kind, name, _, options in calls if kind == "source"}
+    bound = {"host": "10.0.0.7", "capacity_bytes": 1 << 20}
+    assert sinks == {name: bound for name in engines.ENGINE_TRANSPORTS}
+    assert sources == {"nixl": {}, "mooncake": {"host": "10.0.0.7"}, "cuda": {}}
