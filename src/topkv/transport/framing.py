@@ -250,10 +250,6 @@ def _wire_limits(layout: KVLayout) -> wire.WireLimits:
     )
 
 
-def peek_magic(data: bytes | memoryview) -> bytes:
-    return bytes(data[:MAGIC_SIZE])
-
-
 # -- control records -------------------------------------------------------------------------
 
 
