@@ -8,10 +8,8 @@ layer the engine wrote against its frame header's CRC-64s and acknowledges the t
 from __future__ import annotations
 
 import contextlib
-import logging
 import socket
 import threading
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TypedDict
 
@@ -22,7 +20,6 @@ from topkv.transport.base import (
     LayerTensors,
     ReceivedKV,
     TransferDescriptor,
-    TransferSink,
     TransportMode,
 )
 from topkv.transport.engine import (
@@ -34,7 +31,6 @@ from topkv.transport.engine import (
     send_hello,
 )
 from topkv.transport.errors import (
-    AuthenticationFailed,
     ChecksumMismatch,
     FrameRejected,
     PeerDied,
@@ -43,17 +39,9 @@ from topkv.transport.errors import (
     TransferTimeout,
     TransportError,
 )
-from topkv.transport.handshake import server_handshake
-from topkv.transport.receiving import (
-    LayerMessage,
-    ReceiveTable,
-    TransferMessage,
-    read_message,
-    status_for,
-)
+from topkv.transport.listening import ListeningSink
+from topkv.transport.receiving import LayerMessage, TransferMessage, read_message, status_for
 from topkv.transport.sockio import send_buffers
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -75,7 +63,7 @@ class EngineSinkOptions(TypedDict, total=False):
     verify: bool
 
 
-class EngineSink(TransferSink):
+class EngineSink(ListeningSink):
     """Receives KV written by an engine into this sink's arena (see the module docstring)."""
 
     name = "engine"
@@ -95,75 +83,43 @@ class EngineSink(TransferSink):
         handshake_timeout: float = 5.0,
         verify: bool = True,
     ) -> None:
+        super().__init__(secret, label=scheme, handshake_timeout=handshake_timeout)
         self.engine = engine
-        self._secret = secret
         self._scheme = scheme
         self._on_layer = on_layer
         self._limits = limits or framing.ReceiveLimits()
         self._io_timeout = io_timeout
-        self._handshake_timeout = handshake_timeout
         self._verify = verify
         self._arena = Arena(engine.capacity)
-        self._table = ReceiveTable()
-        self._closed = threading.Event()
-        self._lock = threading.Lock()
-        self._conns: set[socket.socket] = set()
-        self._listener = socket.create_server((host, port))
+        listener = socket.create_server((host, port))
         self._host = host
-        self._port = self._listener.getsockname()[1]
-        threading.Thread(target=self._accept_loop, name=f"{scheme}-accept", daemon=True).start()
+        self._port = listener.getsockname()[1]
+        self._listen(listener)
 
     @property
     def address(self) -> str:
         host = f"[{self._host}]" if ":" in self._host else self._host
         return f"{self._scheme}://{host}:{self._port}"
 
-    def receive(self, request_id: int) -> Future[ReceivedKV]:
-        return self._table.receive(request_id)
-
     def close(self) -> None:
-        if self._closed.is_set():
+        if not self._stop_listening():
             return
-        self._closed.set()
-        with contextlib.suppress(OSError):
-            self._listener.shutdown(socket.SHUT_RDWR)
-        self._listener.close()
-        with self._lock:
-            conns = list(self._conns)
-        for conn in conns:
-            with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)
         self._arena.close()
         self._table.close()
         self.engine.close()
 
-    def _accept_loop(self) -> None:
-        while not self._closed.is_set():
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+    def _prepare(self, conn: socket.socket) -> None:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
-    def _serve(self, conn: socket.socket) -> None:
-        with self._lock:
-            self._conns.add(conn)
+    def _greet(self, conn: socket.socket) -> None:
+        send_hello(conn, self.engine.capacity, self.engine.metadata())
+
+    def _session(self, conn: socket.socket) -> None:
         session = _SinkSession(self, conn)
         try:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn.settimeout(self._handshake_timeout)
-            try:
-                server_handshake(conn, self._secret)
-                send_hello(conn, self.engine.capacity, self.engine.metadata())
-            except (AuthenticationFailed, TransportError, OSError) as exc:
-                log.warning("%s sink: refused a connection: %s", self._scheme, exc)
-                return
             session.run()
         finally:
             session.end()
-            with self._lock:
-                self._conns.discard(conn)
-            conn.close()
 
 
 class _SinkSession:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import logging
 import mmap
 import os
 import queue
@@ -49,13 +48,11 @@ from topkv.transport.base import (
     ReceivedKV,
     TransferDescriptor,
     TransferResult,
-    TransferSink,
     TransferSource,
     TransportMode,
 )
 from topkv.transport.copying import copy_into, copy_with_crc
 from topkv.transport.errors import (
-    AuthenticationFailed,
     ChecksumMismatch,
     FrameRejected,
     PeerDied,
@@ -65,10 +62,10 @@ from topkv.transport.errors import (
     TransportError,
     TransportUnavailable,
 )
-from topkv.transport.handshake import client_handshake, server_handshake
+from topkv.transport.handshake import client_handshake
+from topkv.transport.listening import ListeningSink
 from topkv.transport.receiving import (
     LayerMessage,
-    ReceiveTable,
     TransferMessage,
     carve_layers,
     error_from_ack,
@@ -77,8 +74,6 @@ from topkv.transport.receiving import (
 )
 from topkv.transport.sending import LayerItem, QueuedOutgoing, check_layer
 from topkv.transport.sockio import send_buffers
-
-log = logging.getLogger(__name__)
 
 SEGMENT_DIR = Path("/dev/shm")
 SEGMENT_PREFIX = "topkv-shm-"
@@ -460,7 +455,7 @@ class _Incoming:
     error: TransportError | None = None
 
 
-class ShmSink(TransferSink):
+class ShmSink(ListeningSink):
     """Receives KV in place from :class:`ShmSource` senders on this host."""
 
     name = "shm"
@@ -478,77 +473,43 @@ class ShmSink(TransferSink):
         verify: bool = True,
         segment_dir: Path = SEGMENT_DIR,
     ) -> None:
-        self._secret = secret
+        super().__init__(secret, label="shm", handshake_timeout=handshake_timeout)
         self._on_layer = on_layer
         self._limits = limits or framing.ReceiveLimits()
         self._io_timeout = io_timeout
-        self._handshake_timeout = handshake_timeout
         self._verify = verify
         self._segment_dir = segment_dir
-        self._table = ReceiveTable()
         self._tmpdir: str | None = None
         if socket_path is None:
             self._tmpdir = tempfile.mkdtemp(prefix="topkv-shm-sink-")
             socket_path = os.path.join(self._tmpdir, "sink.sock")
         self._path = socket_path
-        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._listener.bind(socket_path)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(socket_path)
         os.chmod(socket_path, 0o600)
-        self._listener.listen(64)
-        self._closed = threading.Event()
-        self._conns: set[socket.socket] = set()
-        self._lock = threading.Lock()
+        listener.listen(64)
         sweep_stale_segments(segment_dir)
-        threading.Thread(target=self._accept_loop, name="shm-accept", daemon=True).start()
+        self._listen(listener)
 
     @property
     def address(self) -> str:
         return f"shm://{self._path}"
 
-    def receive(self, request_id: int) -> Future[ReceivedKV]:
-        return self._table.receive(request_id)
-
     def close(self) -> None:
-        self._closed.set()
-        with contextlib.suppress(OSError):
-            self._listener.shutdown(socket.SHUT_RDWR)
-        self._listener.close()
-        with self._lock:
-            conns = list(self._conns)
-        for conn in conns:
-            with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)
+        if not self._stop_listening():
+            return
         self._table.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._path)
         if self._tmpdir is not None:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
 
-    def _accept_loop(self) -> None:
-        while not self._closed.is_set():
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), name="shm-conn", daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        with self._lock:
-            self._conns.add(conn)
+    def _session(self, conn: socket.socket) -> None:
         session = _SinkSession(self, conn)
         try:
-            conn.settimeout(self._handshake_timeout)
-            try:
-                server_handshake(conn, self._secret)
-            except (AuthenticationFailed, TransportError) as exc:
-                log.warning("shm sink: refused a connection: %s", exc)
-                return
             session.run()
         finally:
             session.end()
-            with self._lock:
-                self._conns.discard(conn)
-            conn.close()
 
 
 class _SinkSession:

@@ -26,7 +26,6 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from topkv.transport import framing
@@ -38,12 +37,10 @@ from topkv.transport.base import (
     ReceivedKV,
     TransferDescriptor,
     TransferResult,
-    TransferSink,
     TransferSource,
     TransportMode,
 )
 from topkv.transport.errors import (
-    AuthenticationFailed,
     ChecksumMismatch,
     FrameRejected,
     PeerDied,
@@ -51,12 +48,12 @@ from topkv.transport.errors import (
     TransferTimeout,
     TransportError,
 )
-from topkv.transport.handshake import client_handshake, server_handshake
+from topkv.transport.handshake import client_handshake
+from topkv.transport.listening import ListeningSink
 from topkv.transport.receiving import (
     Allocator,
     HostAllocator,
     LayerMessage,
-    ReceiveTable,
     TransferMessage,
     error_from_ack,
     read_message,
@@ -110,7 +107,7 @@ class _Incoming:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-class TcpSink(TransferSink):
+class TcpSink(ListeningSink):
     """Listens for authenticated TopKV senders and receives KV straight into its buffers."""
 
     name = "tcp"
@@ -129,78 +126,37 @@ class TcpSink(TransferSink):
         handshake_timeout: float = 5.0,
         verify: bool = True,
     ) -> None:
-        self._secret = secret
+        super().__init__(secret, label="tcp", handshake_timeout=handshake_timeout)
         self._on_layer = on_layer
         self.allocator: Allocator = allocator or HostAllocator()
         self._limits = limits or framing.ReceiveLimits()
         self._io_timeout = io_timeout
-        self._handshake_timeout = handshake_timeout
         self._verify = verify
-        self._table = ReceiveTable()
         self._incoming: dict[int, _Incoming] = {}
         self._lock = threading.Lock()
-        self._conns: set[socket.socket] = set()
-        self._closed = threading.Event()
-        self._listener = socket.create_server((host, port), backlog=128)
-        self._address = f"tcp://{host}:{self._listener.getsockname()[1]}"
-        self._acceptor = threading.Thread(target=self._accept_loop, name="tcp-accept", daemon=True)
-        self._acceptor.start()
+        listener = socket.create_server((host, port), backlog=128)
+        self._address = f"tcp://{host}:{listener.getsockname()[1]}"
+        self._listen(listener)
 
     @property
     def address(self) -> str:
         return self._address
 
-    def receive(self, request_id: int) -> Future[ReceivedKV]:
-        return self._table.receive(request_id)
-
-    def close(self) -> None:
-        self._closed.set()
-        with contextlib.suppress(OSError):
-            self._listener.shutdown(socket.SHUT_RDWR)
-        self._listener.close()
-        with self._lock:
-            conns = list(self._conns)
-        for conn in conns:
-            with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)
-        self._table.close()
-
     # connection handling
 
-    def _accept_loop(self) -> None:
-        while not self._closed.is_set():
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), name="tcp-conn", daemon=True).start()
+    def _prepare(self, conn: socket.socket) -> None:
+        tune_socket(conn)
 
-    def _serve(self, conn: socket.socket) -> None:
-        with self._lock:
-            self._conns.add(conn)
-        try:
-            tune_socket(conn)
-            conn.settimeout(self._handshake_timeout)
+    def _session(self, conn: socket.socket) -> None:
+        while not self._closed.is_set():
+            set_io_timeout(conn, None)  # idle pooled connection: wait for the next transfer
             try:
-                server_handshake(conn, self._secret)
-            except (AuthenticationFailed, TransportError) as exc:
-                log.warning("tcp sink: refused a connection: %s", exc)
+                first = recv_exactly(conn, framing.MAGIC_SIZE, "frame")
+            except PeerDied:
+                return  # the sender closed an idle connection: normal
+            set_io_timeout(conn, self._io_timeout)
+            if not self._serve_transfer(conn, first):
                 return
-            while not self._closed.is_set():
-                set_io_timeout(conn, None)  # idle pooled connection: wait for the next transfer
-                try:
-                    first = recv_exactly(conn, framing.MAGIC_SIZE, "frame")
-                except PeerDied:
-                    return  # the sender closed an idle connection: normal
-                set_io_timeout(conn, self._io_timeout)
-                if not self._serve_transfer(conn, first):
-                    return
-        except OSError as exc:
-            log.debug("tcp sink connection ended: %s", exc)
-        finally:
-            with self._lock:
-                self._conns.discard(conn)
-            conn.close()
 
     def _ack(self, conn: socket.socket, request_id: int, error: BaseException | None) -> None:
         control = framing.Control(

@@ -1,0 +1,112 @@
+"""The listening half every stream sink shares: listen, accept, authenticate, serve, close.
+
+:class:`ListeningSink` is the skeleton of the ``shm``, ``tcp`` and engine sinks: it owns the
+listening socket, the accept thread, one thread per connection and the
+:class:`~topkv.transport.receiving.ReceiveTable` that ``receive()`` reads. A connection is
+served only after the HMAC handshake (:mod:`topkv.transport.handshake`) passed within
+``handshake_timeout``; a refused one is logged and closed. What an authenticated connection
+carries is the subclass's (:meth:`ListeningSink._session`); the bulk data paths live there,
+untouched by this module. ``close()`` stops accepting, shuts every connection down (their
+sessions end and fail what they were receiving) and fails the transfers still pending.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+from abc import abstractmethod
+from concurrent.futures import Future
+
+from topkv.transport.base import ReceivedKV, TransferSink
+from topkv.transport.errors import TransportError
+from topkv.transport.handshake import server_handshake
+from topkv.transport.receiving import ReceiveTable
+
+log = logging.getLogger(__name__)
+
+
+class ListeningSink(TransferSink):
+    """A sink that accepts authenticated stream connections and serves each on a thread.
+
+    Subclasses call ``super().__init__`` first, set up their own state, then
+    :meth:`_listen` with their bound, listening socket (which starts accepting).
+    """
+
+    def __init__(self, secret: bytes, *, label: str, handshake_timeout: float) -> None:
+        self._secret = secret
+        self._label = label  # names the threads and log lines: "shm", "tcp", "nixl", ...
+        self._handshake_timeout = handshake_timeout
+        self._table = ReceiveTable()
+        self._closed = threading.Event()
+        self._conns: set[socket.socket] = set()
+        self._conns_lock = threading.Lock()
+
+    def _listen(self, listener: socket.socket) -> None:
+        self._listener = listener
+        threading.Thread(
+            target=self._accept_loop, name=f"{self._label}-accept", daemon=True
+        ).start()
+
+    def receive(self, request_id: int) -> Future[ReceivedKV]:
+        return self._table.receive(request_id)
+
+    def close(self) -> None:
+        if self._stop_listening():
+            self._table.close()
+
+    def _stop_listening(self) -> bool:
+        """Stop accepting and shut every connection down; False when already closed."""
+        if self._closed.is_set():
+            return False
+        self._closed.set()
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+        with self._conns_lock:
+            conns = list(self._conns)
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+        return True
+
+    def _accept_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(
+                target=self._serve, args=(conn,), name=f"{self._label}-conn", daemon=True
+            ).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with self._conns_lock:
+            self._conns.add(conn)
+        try:
+            self._prepare(conn)
+            conn.settimeout(self._handshake_timeout)
+            try:
+                server_handshake(conn, self._secret)
+                self._greet(conn)
+            except TransportError as exc:  # AuthenticationFailed, a timeout, a bad answer
+                log.warning("%s sink: refused a connection: %s", self._label, exc)
+                return
+            self._session(conn)
+        except OSError as exc:
+            log.debug("%s sink connection ended: %s", self._label, exc)
+        finally:
+            with self._conns_lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    def _prepare(self, conn: socket.socket) -> None:
+        """Socket options of an accepted connection, set before the handshake."""
+
+    def _greet(self, conn: socket.socket) -> None:
+        """What an authenticated peer is told before its session starts."""
+
+    @abstractmethod
+    def _session(self, conn: socket.socket) -> None:
+        """Serve one authenticated connection until it ends (or the sink closes)."""
