@@ -152,7 +152,10 @@ def load_model(path: str | Path) -> LoadedModel:
     try:
         load_json(config_file, what="a Hugging Face config.json")
     except InputFileError as exc:
-        raise UnsupportedModelError(str(exc)) from None
+        where = config_file if exc.line is None else f"{config_file}:{exc.line}"
+        raise UnsupportedModelError(
+            f"{where}: cannot read the model config: {exc.reason}"
+        ) from None
     try:
         config = AutoConfig.from_pretrained(directory, local_files_only=True)
     except (OSError, ValueError, KeyError) as exc:
