@@ -7,18 +7,10 @@ verifies each layer in place as its header arrives and hands out read-only views
 segment* (no second copy). A unix socket carries the control records (transfer header,
 per-layer frame headers, acks, releases) and the same HMAC handshake as TCP.
 
-Segment lifetime (no leaks when either side crashes):
-
-* A segment is named ``topkv-shm-<owner pid>-<connection>-<n>``, created by the sender,
-  announced to the receiver, mapped by both, then **unlinked at once** by both: from then on
-  it lives only as long as some process maps it, so a crash frees it with the process.
-* Only the short window between creation and the receiver's mapping leaves a name in
-  ``/dev/shm``. The receiver unlinks every announced name when its peer disconnects, and
-  :func:`sweep_stale_segments` removes names whose owner pid is dead (run by every new source
-  and sink).
-* Segments are reused across transfers (pre-faulted memory, like a preallocated buffer). A
-  segment is loaned to the receiver from the OK ack until ``ReceivedKV.release()``; an error
-  ack returns it at once.
+Segments are named, created, mapped, unlinked at once and swept by
+:mod:`topkv.transport.shm_segments` (which says why none leaks when either side crashes);
+they are reused across transfers and loaned to the receiver from the OK ack until
+``ReceivedKV.release()``.
 """
 
 from __future__ import annotations
@@ -28,7 +20,6 @@ import itertools
 import mmap
 import os
 import queue
-import re
 import shutil
 import socket
 import tempfile
@@ -73,43 +64,18 @@ from topkv.transport.receiving import (
     status_for,
 )
 from topkv.transport.sending import LayerItem, QueuedOutgoing, check_layer
+from topkv.transport.shm_segments import (
+    SEGMENT_DIR,
+    create_segment,
+    is_segment_name,
+    map_segment,
+    segment_name,
+    sweep_stale_segments,
+)
+from topkv.transport.shm_segments import segments_of as segments_of  # for leak checks
 from topkv.transport.sockio import send_buffers
 
-SEGMENT_DIR = Path("/dev/shm")
-SEGMENT_PREFIX = "topkv-shm-"
-_SEGMENT_NAME = re.compile(r"^topkv-shm-(\d+)-(\d+)-(\d+)$")
 _connection_ids = itertools.count(1)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def sweep_stale_segments(directory: Path = SEGMENT_DIR) -> list[str]:
-    """Unlink TopKV segments whose owner process is dead; returns the names removed."""
-    removed: list[str] = []
-    with contextlib.suppress(FileNotFoundError):
-        for entry in os.scandir(directory):
-            match = _SEGMENT_NAME.match(entry.name)
-            if match and not _pid_alive(int(match.group(1))):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(entry.path)
-                    removed.append(entry.name)
-    return removed
-
-
-def segments_of(pid: int, directory: Path = SEGMENT_DIR) -> list[str]:
-    """Names in ``directory`` owned by ``pid`` (for leak checks)."""
-    prefix = f"{SEGMENT_PREFIX}{pid}-"
-    with contextlib.suppress(FileNotFoundError):
-        return sorted(e.name for e in os.scandir(directory) if e.name.startswith(prefix))
-    return []
 
 
 def parse_shm_address(address: str) -> str:
@@ -254,19 +220,13 @@ class _Connection:
 
     def _create(self, nbytes: int) -> _Segment:
         segment_id = next(self._next_segment)
-        name = f"{SEGMENT_PREFIX}{os.getpid()}-{self.id}-{segment_id}"
+        name = segment_name(os.getpid(), self.id, segment_id)
         path = self.source.segment_dir / name
         event = threading.Event()
         with self.cond:
             self.mapped[segment_id] = event
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            try:
-                os.posix_fallocate(fd, 0, nbytes)
-            except OSError as exc:
-                raise ResourceExhausted(f"cannot reserve {nbytes} bytes in shm: {exc}") from exc
-            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            mapping = mmap.mmap(fd, nbytes, flags=flags)
+            mapping = create_segment(path, nbytes)
             self.control(
                 framing.ControlKind.SEGMENT,
                 arg0=segment_id,
@@ -277,7 +237,6 @@ class _Connection:
                 mapping.close()
                 raise self.dead or TransferTimeout("shm sink did not map the segment in time")
         finally:
-            os.close(fd)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
             with self.cond:
@@ -645,7 +604,7 @@ class _SinkSession:
 
     def _map(self, control: framing.Control) -> None:
         name = control.text
-        if not _SEGMENT_NAME.match(name):
+        if not is_segment_name(name):
             raise FrameRejected(f"refusing to map {name!r}: not a TopKV segment name")
         if control.arg1 > self.sink._limits.max_transfer_bytes:
             raise FrameRejected(
@@ -653,20 +612,7 @@ class _SinkSession:
                 f"{self.sink._limits.max_transfer_bytes}"
             )
         self.announced.append(name)
-        path = self.sink._segment_dir / name
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError as exc:
-            raise FrameRejected(f"cannot open announced segment {name}: {exc}") from exc
-        try:
-            if os.fstat(fd).st_size != control.arg1:
-                raise FrameRejected(f"segment {name} is not {control.arg1} bytes")
-            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            mapping = mmap.mmap(fd, control.arg1, flags=flags, prot=mmap.PROT_READ)
-        finally:
-            os.close(fd)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+        mapping = map_segment(self.sink._segment_dir / name, control.arg1)
         self.segments[control.arg0] = memoryview(mapping)
         self.send_control(framing.Control(framing.ControlKind.SEGMENT_MAPPED, arg0=control.arg0))
 
