@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from topkv.cli.main import _typer_app
 from topkv.errors import ConfigError
-from topkv.relay.chaos import REPORT_KEYS, ChaosConfig, ChaosReport, run_chaos
+from topkv.harness.chaos import REPORT_KEYS, ChaosConfig, ChaosReport, run_chaos
 
 
 def test_chaos_run_meets_every_condition_with_faults_injected() -> None:

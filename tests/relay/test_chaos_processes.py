@@ -12,8 +12,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from topkv.errors import ConfigError
+from topkv.harness.chaos import REPORT_KEYS
 from topkv.jsonout import loads_strict
-from topkv.relay.chaos import REPORT_KEYS
 from topkv.service.worker import FAULTS_ENV, WorkerFaults
 
 

@@ -12,8 +12,8 @@ from rich.table import Table
 from topkv.cli.console import stdout_console
 from topkv.cli.select import parse_byte_size
 from topkv.errors import ConfigError
+from topkv.harness.chaos import ChaosConfig, run_chaos
 from topkv.jsonout import dumps
-from topkv.relay.chaos import ChaosConfig, run_chaos
 
 
 def chaos_command(

@@ -8,4 +8,7 @@ transport > ...): nothing in the library imports a harness.
 * :mod:`topkv.harness.peers`: the two-process peer (``python -m topkv.harness.peers
   sink|send``) the engine tests and benchmarks drive.
 * :mod:`topkv.harness.engine_bench`: ``topkv bench transfer --transport nixl|mooncake|cuda``.
+* :mod:`topkv.harness.chaos`: ``topkv chaos``, fault injection against a local cluster of
+  worker processes (:mod:`~topkv.harness.chaos_inprocess`: the same against in-process
+  workers; :mod:`~topkv.harness.chaos_config`: its config and report).
 """
