@@ -7,9 +7,7 @@ layer the engine wrote against its frame header's CRC-64s and acknowledges the t
 
 from __future__ import annotations
 
-import contextlib
 import socket
-import threading
 from dataclasses import dataclass, field
 from typing import TypedDict
 
@@ -36,12 +34,10 @@ from topkv.transport.errors import (
     PeerDied,
     ResourceExhausted,
     TransferCancelled,
-    TransferTimeout,
     TransportError,
 )
-from topkv.transport.listening import ListeningSink
-from topkv.transport.receiving import LayerMessage, TransferMessage, read_message, status_for
-from topkv.transport.sockio import send_buffers
+from topkv.transport.listening import ControlSession, ListeningSink
+from topkv.transport.receiving import LayerMessage, TransferMessage, status_for
 
 
 @dataclass
@@ -115,61 +111,22 @@ class EngineSink(ListeningSink):
         send_hello(conn, self.engine.capacity, self.engine.metadata())
 
     def _session(self, conn: socket.socket) -> None:
-        session = _SinkSession(self, conn)
-        try:
-            session.run()
-        finally:
-            session.end()
+        _SinkSession(self, conn).run()
 
 
-class _SinkSession:
+class _SinkSession(ControlSession[_Incoming]):
     """Receiver side of one control connection."""
 
     def __init__(self, sink: EngineSink, conn: socket.socket) -> None:
+        super().__init__(sink, conn, limits=sink._limits, io_timeout=sink._io_timeout)
         self.sink = sink
-        self.conn = conn
-        self.send_lock = threading.Lock()
-        self.transfers: dict[int, _Incoming] = {}
         self.by_key: dict[bytes, _Incoming] = {}
-        self.alive = True
-
-    def send(self, record: bytes) -> None:
-        with self.send_lock:
-            if self.alive:
-                with contextlib.suppress(TransportError, OSError):
-                    send_buffers(self.conn, [record])
-
-    def run(self) -> None:
-        sink = self.sink
-        try:
-            while not sink._closed.is_set():
-                self.conn.settimeout(sink._io_timeout if self.transfers else None)
-                message = read_message(self.conn, sink._limits)
-                if isinstance(message, TransferMessage):
-                    self._open(message)
-                elif isinstance(message, LayerMessage):
-                    self._layer(message)
-                else:
-                    self.control_record(message)
-        except (PeerDied, TransferTimeout, FrameRejected) as exc:
-            self._fail_all(type(exc)(f"{sink._scheme} sender: {exc}"))
-        except OSError as exc:
-            self._fail_all(PeerDied(f"{sink._scheme} control connection failed: {exc}"))
-
-    def _fail_all(self, error: TransportError) -> None:
-        for state in list(self.transfers.values()):
-            rid = state.descriptor.request_id
-            got, total = len(state.arrived), state.descriptor.layout.num_layers
-            self._drop(state)
-            self.sink._table.fail(
-                rid, type(error)(f"request {rid}: {error} (after {got}/{total} layers)")
-            )
 
     def end(self) -> None:
-        self.alive = False
-        self._fail_all(PeerDied(f"{self.sink._scheme} sender went away"))
+        super().end()
+        self.fail_open(PeerDied(f"{self.sink._scheme} sender went away"))
 
-    def _drop(self, state: _Incoming) -> None:
+    def _forget(self, state: _Incoming) -> None:
         rid = state.descriptor.request_id
         self.transfers.pop(rid, None)
         self.by_key.pop(wire.request_key(str(rid)), None)
@@ -183,7 +140,7 @@ class _SinkSession:
         if rid in self.transfers:
             raise FrameRejected(f"request {rid} opened twice")
         try:
-            self.sink._table.claimable(rid)
+            self._table.claimable(rid)
             offset = self.sink._arena.allocate(descriptor.layout.total_bytes, self.sink._io_timeout)
         except (ResourceExhausted, FrameRejected, TransferCancelled) as exc:
             self.send(
@@ -229,7 +186,7 @@ class _SinkSession:
             except Exception as exc:
                 state.error = TransportError(f"on_layer callback raised: {exc!r}")
 
-    def control_record(self, control: framing.Control) -> None:
+    def _control(self, control: framing.Control) -> None:
         rid = control.request_id
         if control.kind == framing.ControlKind.DONE:
             state = self.transfers.get(rid)
@@ -239,8 +196,8 @@ class _SinkSession:
         elif control.kind == framing.ControlKind.CANCEL:
             state = self.transfers.get(rid)
             if state is not None:
-                self._drop(state)
-                self.sink._table.fail(rid, TransferCancelled(f"sender cancelled request {rid}"))
+                self._forget(state)
+                self._table.fail(rid, TransferCancelled(f"sender cancelled request {rid}"))
         else:
             raise FrameRejected(f"unexpected control record {control.kind.name} from a sender")
 
@@ -251,13 +208,13 @@ class _SinkSession:
             state.error = FrameRejected(f"request {rid}: {missing} layers never arrived")
         if state.error is not None:
             error = state.error
-            self._drop(state)
+            self._forget(state)
             self.send(
                 control_record(
                     framing.ControlKind.ACK, rid, status=status_for(error), text=str(error)
                 )
             )
-            self.sink._table.fail(rid, error)
+            self._table.fail(rid, error)
             return
         self.transfers.pop(rid, None)
         self.by_key.pop(wire.request_key(str(rid)), None)
@@ -267,6 +224,4 @@ class _SinkSession:
             arena.free(offset, size)
 
         self.send(control_record(framing.ControlKind.ACK, rid))
-        self.sink._table.complete(
-            ReceivedKV(state.descriptor, state.layers, self.sink._verify, release)
-        )
+        self._table.complete(ReceivedKV(state.descriptor, state.layers, self.sink._verify, release))

@@ -8,6 +8,11 @@ served only after the HMAC handshake (:mod:`topkv.transport.handshake`) passed w
 carries is the subclass's (:meth:`ListeningSink._session`); the bulk data paths live there,
 untouched by this module. ``close()`` stops accepting, shuts every connection down (their
 sessions end and fail what they were receiving) and fails the transfers still pending.
+
+:class:`ControlSession` is the receiving side of a connection that carries records only
+(``shm`` and the engines: the bytes travel through a shared segment or an engine's writes):
+its read loop, serialized replies, and the failure of every transfer still open on it when
+the connection fails.
 """
 
 from __future__ import annotations
@@ -16,13 +21,21 @@ import contextlib
 import logging
 import socket
 import threading
-from abc import abstractmethod
+from abc import ABC, abstractmethod
 from concurrent.futures import Future
+from typing import Generic, Protocol, TypeVar
 
-from topkv.transport.base import ReceivedKV, TransferSink
-from topkv.transport.errors import TransportError
+from topkv.transport import framing
+from topkv.transport.base import ReceivedKV, TransferDescriptor, TransferSink
+from topkv.transport.errors import FrameRejected, PeerDied, TransferTimeout, TransportError
 from topkv.transport.handshake import server_handshake
-from topkv.transport.receiving import ReceiveTable
+from topkv.transport.receiving import (
+    LayerMessage,
+    ReceiveTable,
+    TransferMessage,
+    read_message,
+)
+from topkv.transport.sockio import send_buffers
 
 log = logging.getLogger(__name__)
 
@@ -110,3 +123,93 @@ class ListeningSink(TransferSink):
     @abstractmethod
     def _session(self, conn: socket.socket) -> None:
         """Serve one authenticated connection until it ends (or the sink closes)."""
+
+
+class OpenTransfer(Protocol):
+    """What a session knows of each transfer open on it."""
+
+    descriptor: TransferDescriptor
+    arrived: set[int]
+
+
+StateT = TypeVar("StateT", bound=OpenTransfer)
+
+
+class ControlSession(ABC, Generic[StateT]):
+    """Receiver side of one record-only control connection of a :class:`ListeningSink`.
+
+    :meth:`run` reads records until the connection ends or the sink closes (with the I/O
+    timeout while a transfer is open) and hands each to :meth:`_open`, :meth:`_layer` or
+    :meth:`_control`; then :meth:`end`. A failed connection fails every transfer in
+    ``transfers`` (after :meth:`_forget` of each) with the reason and its layer count.
+    """
+
+    def __init__(
+        self,
+        sink: ListeningSink,
+        conn: socket.socket,
+        *,
+        limits: framing.ReceiveLimits,
+        io_timeout: float,
+    ) -> None:
+        self.conn = conn
+        self.transfers: dict[int, StateT] = {}
+        self.alive = True
+        self._sink = sink
+        self._label = sink._label
+        self._table = sink._table
+        self._limits = limits
+        self._io_timeout = io_timeout
+        self._send_lock = threading.Lock()
+
+    def send(self, record: bytes) -> None:
+        """Send a reply unless the session ended (a dead peer needs no answer)."""
+        with self._send_lock:
+            if self.alive:
+                with contextlib.suppress(TransportError, OSError):
+                    send_buffers(self.conn, [record])
+
+    def run(self) -> None:
+        try:
+            while not self._sink._closed.is_set():
+                self.conn.settimeout(self._io_timeout if self.transfers else None)
+                message = read_message(self.conn, self._limits)
+                if isinstance(message, TransferMessage):
+                    self._open(message)
+                elif isinstance(message, LayerMessage):
+                    self._layer(message)
+                else:
+                    self._control(message)
+        except (PeerDied, TransferTimeout, FrameRejected) as exc:
+            self.fail_open(type(exc)(f"{self._label} sender: {exc}"))
+        except OSError as exc:
+            self.fail_open(PeerDied(f"{self._label} control connection failed: {exc}"))
+        finally:
+            self.end()
+
+    def fail_open(self, error: TransportError) -> None:
+        """Fail every transfer still open on this connection."""
+        for state in list(self.transfers.values()):
+            rid = state.descriptor.request_id
+            got, total = len(state.arrived), state.descriptor.layout.num_layers
+            self._forget(state)
+            self._table.fail(
+                rid, type(error)(f"request {rid}: {error} (after {got}/{total} layers)")
+            )
+
+    def end(self) -> None:
+        """The connection is over: no more replies."""
+        self.alive = False
+
+    def _forget(self, state: StateT) -> None:
+        """Drop ``state`` from ``transfers`` and give back what it holds."""
+        self.transfers.pop(state.descriptor.request_id, None)
+
+    @abstractmethod
+    def _open(self, message: TransferMessage) -> None: ...
+
+    @abstractmethod
+    def _layer(self, message: LayerMessage) -> None: ...
+
+    @abstractmethod
+    def _control(self, control: framing.Control) -> None: ...

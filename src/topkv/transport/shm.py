@@ -54,7 +54,7 @@ from topkv.transport.errors import (
     TransportUnavailable,
 )
 from topkv.transport.handshake import client_handshake
-from topkv.transport.listening import ListeningSink
+from topkv.transport.listening import ControlSession, ListeningSink
 from topkv.transport.receiving import (
     LayerMessage,
     TransferMessage,
@@ -464,62 +464,23 @@ class ShmSink(ListeningSink):
             shutil.rmtree(self._tmpdir, ignore_errors=True)
 
     def _session(self, conn: socket.socket) -> None:
-        session = _SinkSession(self, conn)
-        try:
-            session.run()
-        finally:
-            session.end()
+        _SinkSession(self, conn).run()
 
 
-class _SinkSession:
+class _SinkSession(ControlSession[_Incoming]):
     """Receiver side of one control connection."""
 
     def __init__(self, sink: ShmSink, conn: socket.socket) -> None:
+        super().__init__(sink, conn, limits=sink._limits, io_timeout=sink._io_timeout)
         self.sink = sink
-        self.conn = conn
-        self.send_lock = threading.Lock()
         self.segments: dict[int, memoryview] = {}
         self.announced: list[str] = []
-        self.transfers: dict[int, _Incoming] = {}
-        self.alive = True
 
     def send_control(self, control: framing.Control) -> None:
-        with self.send_lock:
-            if self.alive:
-                with contextlib.suppress(TransportError, OSError):
-                    send_buffers(self.conn, [framing.encode_control(control)])
-
-    def run(self) -> None:
-        sink = self.sink
-        try:
-            while not sink._closed.is_set():
-                self.conn.settimeout(sink._io_timeout if self.transfers else None)
-                message = read_message(self.conn, sink._limits)
-                if isinstance(message, TransferMessage):
-                    self._open(message)
-                elif isinstance(message, LayerMessage):
-                    self._layer(message)
-                else:
-                    self._control(message)
-        except (PeerDied, TransferTimeout, FrameRejected) as exc:
-            error = type(exc)(f"shm sender: {exc}")
-            for state in self.transfers.values():
-                got, total = len(state.arrived), state.descriptor.layout.num_layers
-                sink._table.fail(
-                    state.descriptor.request_id,
-                    type(exc)(
-                        f"request {state.descriptor.request_id}: {error} "
-                        f"(after {got}/{total} layers)"
-                    ),
-                )
-            self.transfers.clear()
-        except OSError as exc:
-            for rid in list(self.transfers):
-                sink._table.fail(rid, PeerDied(f"shm control connection failed: {exc}"))
-            self.transfers.clear()
+        self.send(framing.encode_control(control))
 
     def end(self) -> None:
-        self.alive = False
+        super().end()
         for name in self.announced:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.sink._segment_dir / name)
@@ -532,7 +493,7 @@ class _SinkSession:
         if rid in self.transfers:
             raise FrameRejected(f"request {rid} opened twice")
         try:
-            self.sink._table.claimable(rid)
+            self._table.claimable(rid)
         except ResourceExhausted as exc:
             self.send_control(
                 framing.Control(framing.ControlKind.ACK, rid, status_for(exc), text=str(exc))
@@ -596,7 +557,7 @@ class _SinkSession:
             self._done(self._state(control.request_id))
         elif kind == framing.ControlKind.CANCEL:
             if self.transfers.pop(control.request_id, None) is not None:
-                self.sink._table.fail(
+                self._table.fail(
                     control.request_id, TransferCancelled(f"sender cancelled {control.request_id}")
                 )
         else:
@@ -628,7 +589,7 @@ class _SinkSession:
                     framing.ControlKind.ACK, rid, status_for(state.error), text=str(state.error)
                 )
             )
-            self.sink._table.fail(rid, state.error)
+            self._table.fail(rid, state.error)
             return
         segment_id = state.segment
 
@@ -636,6 +597,4 @@ class _SinkSession:
             self.send_control(framing.Control(framing.ControlKind.RELEASE, arg0=segment_id))
 
         self.send_control(framing.Control(framing.ControlKind.ACK, rid))
-        self.sink._table.complete(
-            ReceivedKV(state.descriptor, state.layers, self.sink._verify, release)
-        )
+        self._table.complete(ReceivedKV(state.descriptor, state.layers, self.sink._verify, release))
