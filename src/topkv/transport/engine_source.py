@@ -12,7 +12,6 @@ import contextlib
 import queue
 import socket
 import threading
-import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypedDict
@@ -21,7 +20,6 @@ from topkv.transport import framing
 from topkv.transport.base import (
     OutgoingTransfer,
     TransferDescriptor,
-    TransferResult,
     TransferSource,
     TransportMode,
 )
@@ -139,7 +137,6 @@ class _EngineOutgoing(QueuedOutgoing[EngineLayer]):
         self._conn = conn
         self._engine = conn.source.engine
         self._queue: queue.SimpleQueue[EngineLayer | object] = queue.SimpleQueue()
-        self._started = time.perf_counter()
         self._replies = conn.expect(descriptor.request_id)
         with conn.lock:
             conn.outgoing.add(self)
@@ -249,20 +246,7 @@ class _EngineOutgoing(QueuedOutgoing[EngineLayer]):
             reply = self._reply(source.ack_timeout, "ack")
             if reply.kind != framing.ControlKind.ACK or reply.status != framing.ControlStatus.OK:
                 raise error_from_ack(reply)
-            seconds = time.perf_counter() - self._started
-            with self._lock:
-                if not self._future.done():
-                    self._future.set_result(
-                        TransferResult(
-                            request_id=rid,
-                            transport=source.name,
-                            mode=source.mode,
-                            size_bytes=layout.total_bytes,
-                            seconds=seconds,
-                            checksum_verified=True,
-                            wall_seconds=seconds,
-                        )
-                    )
+            self._succeed(source.name, source.mode)
         except TransportError as exc:
             self._fail(exc)
         except OSError as exc:

@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import time
 from abc import abstractmethod
 from collections.abc import Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from topkv.transport import framing
-from topkv.transport.base import Buffer, OutgoingTransfer, TransferDescriptor, TransferResult
+from topkv.transport.base import (
+    Buffer,
+    OutgoingTransfer,
+    TransferDescriptor,
+    TransferResult,
+    TransportMode,
+)
 from topkv.transport.errors import FrameRejected, TransportError
 
 
@@ -75,10 +83,12 @@ class QueuedOutgoing(OutgoingTransfer, Generic[ItemT]):
     nothing after ``finish()``, and ``finish()`` failing the transfer when layers are
     missing before it queues the finish marker. Subclasses supply the hooks: how a call
     is checked (:meth:`_check`), where items and the marker go (:meth:`_enqueue`,
-    :meth:`_enqueue_finish`) and how the first error is recorded (:meth:`_fail`).
+    :meth:`_enqueue_finish`) and how the first error is recorded (:meth:`_fail`); they
+    call :meth:`_succeed` once the receiver acknowledged a verified copy.
     """
 
     def __init__(self, descriptor: TransferDescriptor) -> None:
+        self._started = time.perf_counter()
         self.descriptor = descriptor
         self._future: Future[TransferResult] = Future()
         self._future.set_running_or_notify_cancel()
@@ -101,6 +111,22 @@ class QueuedOutgoing(OutgoingTransfer, Generic[ItemT]):
     @abstractmethod
     def _fail(self, error: BaseException) -> object:
         """Record ``error`` as the transfer's outcome unless one is already recorded."""
+
+    def _succeed(self, transport: str, mode: TransportMode) -> None:
+        """Resolve the future with the verified result (timed from the open), unless it
+        already failed."""
+        seconds = time.perf_counter() - self._started
+        result = TransferResult(
+            request_id=self.descriptor.request_id,
+            transport=transport,
+            mode=mode,
+            size_bytes=self.descriptor.layout.total_bytes,
+            seconds=seconds,
+            checksum_verified=True,
+            wall_seconds=seconds,
+        )
+        with contextlib.suppress(InvalidStateError):
+            self._future.set_result(result)
 
     def send_layer(
         self, layer: int, tensors: Sequence[Buffer], crcs: Sequence[int] | None = None

@@ -38,7 +38,6 @@ from topkv.transport.base import (
     OutgoingTransfer,
     ReceivedKV,
     TransferDescriptor,
-    TransferResult,
     TransferSource,
     TransportMode,
 )
@@ -257,7 +256,6 @@ class _ShmOutgoing(QueuedOutgoing[LayerItem]):
         self._queue: queue.SimpleQueue[LayerItem | object] = queue.SimpleQueue()
         self._cancelled = threading.Event()
         self._error: BaseException | None = None
-        self._started = time.perf_counter()
         threading.Thread(target=self._run, name="shm-send", daemon=True).start()
 
     def _check(
@@ -322,19 +320,7 @@ class _ShmOutgoing(QueuedOutgoing[LayerItem]):
             if reply.status != framing.ControlStatus.OK:
                 raise error_from_ack(reply)
             loaned = True
-            seconds = time.perf_counter() - self._started
-            with contextlib.suppress(Exception):
-                self._future.set_result(
-                    TransferResult(
-                        request_id=rid,
-                        transport="shm",
-                        mode=ShmSource.mode,
-                        size_bytes=layout.total_bytes,
-                        seconds=seconds,
-                        checksum_verified=True,
-                        wall_seconds=seconds,
-                    )
-                )
+            self._succeed("shm", ShmSource.mode)
         except TransportError as exc:
             self._fail(exc)
         except OSError as exc:

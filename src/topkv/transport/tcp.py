@@ -24,7 +24,6 @@ import logging
 import queue
 import socket
 import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -36,7 +35,6 @@ from topkv.transport.base import (
     OutgoingTransfer,
     ReceivedKV,
     TransferDescriptor,
-    TransferResult,
     TransferSource,
     TransportMode,
 )
@@ -367,7 +365,6 @@ class _TcpOutgoing(QueuedOutgoing[LayerItem]):
         self._cancelled = threading.Event()
         self._streams_left = self._streams
         self._error: BaseException | None = None
-        self._started = time.perf_counter()
         self._header = framing.encode_transfer_header(descriptor, self._streams)
         # Checksum stage: computes the CRCs of layer l+1 while a stream sends layer l (the
         # layer is then still in the last-level cache when the kernel copies it).
@@ -488,19 +485,7 @@ class _TcpOutgoing(QueuedOutgoing[LayerItem]):
             with contextlib.suppress(Exception):
                 self._future.set_exception(error)
             return
-        seconds = time.perf_counter() - self._started
-        with contextlib.suppress(Exception):
-            self._future.set_result(
-                TransferResult(
-                    request_id=self.descriptor.request_id,
-                    transport="tcp",
-                    mode=TransportMode.TCP,
-                    size_bytes=self.descriptor.layout.total_bytes,
-                    seconds=seconds,
-                    checksum_verified=True,
-                    wall_seconds=seconds,
-                )
-            )
+        self._succeed("tcp", TransportMode.TCP)
 
 
 def _explain(sock: socket.socket, error: TransportError) -> TransportError:
