@@ -16,7 +16,7 @@ from topkv.packaged import SAMPLE_TRACE
 from topkv.sim.cluster import load_cluster_spec
 from topkv.sim.engine import make_loop
 from topkv.sim.runner import POLICIES, SimConfig, run_policy
-from topkv.sim.workload import Request, Workload, head, load_trace, scale_rate
+from topkv.traces import Request, Workload, head, load_trace, scale_rate
 
 
 def tiled(workload: Workload, copies: int) -> Workload:

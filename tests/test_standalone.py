@@ -12,7 +12,7 @@ from topkv.cli.main import _typer_app
 from topkv.demo.topology import find_fixture
 from topkv.demo.workload import find_trace
 from topkv.packaged import DATA_DIR, H100_TOPOLOGY, SAMPLE_TRACE, packaged_file
-from topkv.sim.workload import read_azure_csv
+from topkv.traces import read_azure_csv
 
 ROOT = Path(__file__).resolve().parents[1]
 #: ``..`` then the team's folder name; assembled so that this file does not match itself.

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from topkv.errors import TopKVError
-from topkv.sim.workload import ServeGenOptions, read_servegen
+from topkv.traces import ServeGenOptions, read_servegen
 
 ROWS = [
     "0,0,0,,0,0",

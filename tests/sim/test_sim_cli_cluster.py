@@ -19,7 +19,7 @@ from topkv.sim.cluster import (
 )
 from topkv.sim.errors import ClusterSpecError
 from topkv.sim.runner import SimConfig, run_policy
-from topkv.sim.workload import synthetic
+from topkv.traces import synthetic
 
 TRACES = Path(__file__).resolve().parents[1] / "fixtures" / "traces"
 POLICY_KEYS = {

@@ -15,7 +15,7 @@ from topkv.kv.hf_config import spec_from_hf_dict
 from topkv.policy.admission import KV_EXCEEDS_DECODE_MEMORY, LONGER_THAN_CONTEXT
 from topkv.sim.cluster import load_cluster_spec
 from topkv.sim.runner import SimConfig, run_policy
-from topkv.sim.workload import Request, Workload
+from topkv.traces import Request, Workload
 
 HEADER = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
 HUGE = 99_999_999  # prompt tokens: no decode instance holds this KV

@@ -14,7 +14,7 @@ from topkv.sim.compute import ComputeModel, get_gpu
 from topkv.sim.engine import HeapLoop
 from topkv.sim.links import LinkNetwork
 from topkv.sim.runner import SimConfig, run_policy
-from topkv.sim.workload import Request, Workload
+from topkv.traces import Request, Workload
 
 
 def erlang_c_wait(arrival: float, service_rate: float, servers: int) -> float:

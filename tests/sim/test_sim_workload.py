@@ -12,9 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from topkv.errors import ConfigError
-from topkv.sim.errors import SimError, TraceFormatError
-from topkv.sim.workload import (
+from topkv.traces import (
     ServeGenOptions,
+    TraceError,
+    TraceFormatError,
     detect_format,
     load_trace,
     read_azure_csv,
@@ -141,7 +142,7 @@ def test_servegen_malformed_row(tmp_path: Path) -> None:
 def test_unknown_format(tmp_path: Path) -> None:
     path = tmp_path / "x.txt"
     path.write_text("hello world\n")
-    with pytest.raises(SimError, match="cannot tell the trace format"):
+    with pytest.raises(TraceError, match="cannot tell the trace format"):
         load_trace(path)
 
 
@@ -187,5 +188,5 @@ def test_rate_scaling() -> None:
     w = synthetic(100, rate_rps=10.0, seed=2)
     doubled = scale_rate(w, 2.0)
     assert doubled.duration_s == pytest.approx(w.duration_s / 2)
-    with pytest.raises(SimError):
+    with pytest.raises(TraceError):
         scale_rate(w, 0.0)

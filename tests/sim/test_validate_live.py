@@ -38,7 +38,7 @@ from topkv.sim.validate_live import (
     simulate_demo,
     validate_against_demo,
 )
-from topkv.sim.workload import Request
+from topkv.traces import Request
 
 #: Real `topkv demo --requests 50 --json` runs of the current demo (relay orchestrator) on
 #: the 2-core dev host; see data/README.md for when and under which load.

@@ -18,7 +18,7 @@ from topkv.sim.cluster import SimCluster, load_cluster_spec
 from topkv.sim.errors import ClusterSpecError, SimError
 from topkv.sim.report import SimReport
 from topkv.sim.runner import POLICIES, SimConfig, run_policy
-from topkv.sim.workload import ServeGenOptions, head, load_trace, scale_rate
+from topkv.traces import ServeGenOptions, head, load_trace, scale_rate
 
 
 def _parse_ratio(text: str) -> tuple[int, int]:

@@ -16,8 +16,7 @@ from topkv.demo.errors import DemoError
 from topkv.errors import ConfigError
 from topkv.inputs import InputFileError
 from topkv.packaged import SAMPLE_TRACE
-from topkv.sim.errors import SimError, TraceFormatError
-from topkv.sim.workload import read_azure_csv
+from topkv.traces import TraceFormatError, read_azure_csv
 
 #: The packaged sample: the Azure 2023 conversation trace's first 4,000 requests.
 DEFAULT_TRACE = SAMPLE_TRACE
@@ -74,7 +73,7 @@ def load_requests(
     except (TraceFormatError, InputFileError) as exc:
         where = exc.path if exc.line is None else f"{exc.path}:{exc.line}"
         raise DemoError(f"{where}: cannot read the trace: {exc.reason}") from None
-    except (SimError, ConfigError, OSError) as exc:
+    except (ConfigError, OSError) as exc:
         raise DemoError(f"{trace}: cannot read the trace: {exc}") from None
     rows = workload.requests[:count]
     if len(rows) < count:

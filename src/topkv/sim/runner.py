@@ -45,7 +45,7 @@ from topkv.sim.compute import ComputeModel, default_tp, get_gpu
 from topkv.sim.engine import EventLoop, make_loop
 from topkv.sim.errors import SimError
 from topkv.sim.links import Flow, Link, LinkNetwork, UtilizationSeries
-from topkv.sim.workload import Request, Workload
+from topkv.traces import Request, Workload
 
 POLICIES: tuple[str, ...] = ("uniform-rdma", "paper", "cost")
 

@@ -60,7 +60,7 @@ from topkv.sim.cluster import ClusterSpec, Instance, NodeGroup
 from topkv.sim.compute import ComputeModel, get_gpu
 from topkv.sim.errors import SimError
 from topkv.sim.runner import SimConfig, Simulation, _Decode, _Req
-from topkv.sim.workload import Request, Workload
+from topkv.traces import Request, Workload
 
 #: Tolerance the issue sets for the TTFT p50 prediction.
 TARGET_ERROR = 0.10

@@ -1,5 +1,9 @@
 """Request workloads: trace readers, synthetic arrivals and rate scaling.
 
+A bottom-layer module (it imports only :mod:`topkv.inputs` and :mod:`topkv.errors`): the
+simulator (:mod:`topkv.sim`) and the demo (:mod:`topkv.demo.workload`) both read traces
+through it.
+
 Formats (samples in ``topkv/data`` and ``tests/fixtures/traces``):
 
 * Azure LLM inference trace 2023 (code, conversation): CSV with header
@@ -16,7 +20,8 @@ Formats (samples in ``topkv/data`` and ``tests/fixtures/traces``):
   log-normal distributions whose medians are parameters.
 * Synthetic: Poisson or Gamma (given coefficient of variation) arrivals.
 
-A malformed row raises :class:`TraceFormatError` naming the file and line.
+A malformed row raises :class:`TraceFormatError` naming the file and line; a bad parameter
+or an unreadable trace :class:`TraceError` (both :class:`topkv.errors.ConfigError`).
 """
 
 from __future__ import annotations
@@ -34,8 +39,22 @@ from typing import Any
 
 import numpy as np
 
+from topkv.errors import ConfigError
 from topkv.inputs import InputFileError, excerpt, text_lines
-from topkv.sim.errors import SimError, TraceFormatError
+
+
+class TraceError(ConfigError):
+    """A trace cannot be read or a workload cannot be built as asked."""
+
+
+class TraceFormatError(TraceError):
+    """A trace file is malformed; the message names the file and the line."""
+
+    def __init__(self, path: str, line: int, reason: str) -> None:
+        self.path = path
+        self.line = line
+        self.reason = reason
+        super().__init__(f"{path}:{line}: {reason}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,7 +170,7 @@ def read_azure_csv(path: Path) -> Workload:
 def read_mooncake_jsonl(path: Path, jitter_s: float = 3.0, seed: int = 0) -> Workload:
     """Read a Mooncake trace; spread each quantized timestamp over ``jitter_s`` seconds."""
     if jitter_s < 0:
-        raise SimError(f"jitter must be >= 0 s, got {jitter_s}")
+        raise TraceError(f"jitter must be >= 0 s, got {jitter_s}")
     name = str(path)
     rng = np.random.default_rng(seed)
     rows: list[tuple[float, int, int]] = []
@@ -206,7 +225,7 @@ def _servegen_files(path: Path) -> list[Path]:
     if path.is_dir():
         files = sorted(path.glob("*-trace.csv")) or sorted(path.glob("*.csv"))
         if not files:
-            raise SimError(f"{path}: no ServeGen rate files (*-trace.csv) in this directory")
+            raise TraceError(f"{path}: no ServeGen rate files (*-trace.csv) in this directory")
         return files
     return [path]
 
@@ -220,7 +239,7 @@ def read_servegen(path: Path, options: ServeGenOptions | None = None) -> Workloa
     """Turn ServeGen per-client rate files (a file or a directory of them) into requests."""
     opts = options or ServeGenOptions()
     if opts.duration_s <= 0:
-        raise SimError(f"ServeGen duration must be > 0 s, got {opts.duration_s}")
+        raise TraceError(f"ServeGen duration must be > 0 s, got {opts.duration_s}")
     rng = np.random.default_rng(opts.seed)
     per_file = [_servegen_windows(file) for file in _servegen_files(path)]
     start_s = opts.start_s
@@ -236,14 +255,14 @@ def read_servegen(path: Path, options: ServeGenOptions | None = None) -> Workloa
             if rate <= 0 or hi <= lo:
                 continue
             if (stop - start) * rate > MAX_WINDOW_REQUESTS:
-                raise SimError(
+                raise TraceError(
                     f"{path}: the window at {start:g} s asks for {(stop - start) * rate:.3g} "
                     f"requests, more than the {MAX_WINDOW_REQUESTS:,} one window may replay"
                 )
             arrivals.append(_renewal_arrivals(rng, dist, shape, rate, start, stop, lo, hi))
     times = np.sort(np.concatenate(arrivals)) if arrivals else np.empty(0)
     if times.size == 0:
-        raise SimError(
+        raise TraceError(
             f"{path}: no requests between {start_s:g} s and {end_s:g} s "
             "(choose another window with --servegen-start-s)"
         )
@@ -351,7 +370,7 @@ def synthetic(
 ) -> Workload:
     """Poisson (``cv`` = 1) or Gamma arrivals with fixed or log-normal lengths."""
     if num_requests < 1 or rate_rps <= 0 or cv <= 0:
-        raise SimError("synthetic workload needs num_requests >= 1, rate > 0 and cv > 0")
+        raise TraceError("synthetic workload needs num_requests >= 1, rate > 0 and cv > 0")
     rng = np.random.default_rng(seed)
     mean = 1.0 / rate_rps
     if cv == 1.0:
@@ -377,7 +396,7 @@ def synthetic(
 def scale_rate(workload: Workload, factor: float) -> Workload:
     """Multiply the request rate by ``factor`` (arrival times divided by it)."""
     if not factor > 0 or math.isinf(factor):
-        raise SimError(f"rate scale must be a finite number > 0, got {factor}")
+        raise TraceError(f"rate scale must be a finite number > 0, got {factor}")
     if factor == 1.0:
         return workload
     requests = tuple(
@@ -395,7 +414,7 @@ def head(workload: Workload, count: int) -> Workload:
 def detect_format(path: Path) -> str:
     """``azure``, ``mooncake`` or ``servegen`` from the path and its first line."""
     if not path.exists():
-        raise SimError(f"{path}: no such trace file")
+        raise TraceError(f"{path}: no such trace file")
     if path.is_dir():
         return "servegen"
     first = next(_lines(path), "")
@@ -405,7 +424,7 @@ def detect_format(path: Path) -> str:
         return "azure"
     if first.count(",") == 5:
         return "servegen"
-    raise SimError(
+    raise TraceError(
         f"{path}: cannot tell the trace format from its first line {first[:60]!r}; expected "
         "an Azure 2023 CSV, a Mooncake JSONL or a ServeGen rate CSV"
     )
@@ -426,7 +445,7 @@ def load_trace(
         return read_mooncake_jsonl(path, jitter_s=jitter_s, seed=seed)
     if kind == "servegen":
         return read_servegen(path, servegen)
-    raise SimError(f"unknown trace format {fmt!r}; use auto, azure, mooncake or servegen")
+    raise TraceError(f"unknown trace format {fmt!r}; use auto, azure, mooncake or servegen")
 
 
 _TRACE = "a trace (Azure 2023 CSV, Mooncake JSONL or ServeGen rate CSV)"
