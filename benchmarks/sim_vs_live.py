@@ -60,14 +60,14 @@ def main() -> int:
         help="also predict with the calibration of this record (repeatable)",
     )
     args = parser.parse_args()
-    from topkv.sim.validate_live import (
-        PREFILL_MODELS,
-        DemoRecord,
-        ValidationOptions,
+    from topkv.harness.validate_live import (
         calibration_from,
         format_report,
         validate_against_demo,
     )
+    from topkv.harness.validate_model import PREFILL_MODELS
+    from topkv.harness.validate_predict import ValidationOptions
+    from topkv.harness.validate_record import DemoRecord
 
     path = args.demo_json
     if path is None:

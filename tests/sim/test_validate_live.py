@@ -14,30 +14,29 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from topkv.cli.main import _typer_app
-from topkv.jsonout import loads_strict
-from topkv.planner.pipeline import simulate_pipeline
-from topkv.sim.validate_live import (
-    TARGET_ERROR,
+from topkv.harness.validate_live import TARGET_ERROR, calibration_from, validate_against_demo
+from topkv.harness.validate_model import (
     Calibration,
     ContentionFit,
-    DemoRecord,
-    LiveValidationError,
     Overlap,
     PrefillFit,
-    ValidationOptions,
     calibrate,
-    calibration_from,
-    demo_cluster_spec,
-    demo_model_spec,
     measured_dispatch_ms,
     measured_timeline,
     overlaps,
+)
+from topkv.harness.validate_predict import (
+    ValidationOptions,
+    demo_cluster_spec,
+    demo_model_spec,
     predict,
     rebuild_requests,
     requests_for,
     simulate_demo,
-    validate_against_demo,
 )
+from topkv.harness.validate_record import DemoRecord, LiveValidationError
+from topkv.jsonout import loads_strict
+from topkv.planner.pipeline import simulate_pipeline
 from topkv.traces import Request
 
 #: Real `topkv demo --requests 50 --json` runs of the current demo (relay orchestrator) on

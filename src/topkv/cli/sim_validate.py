@@ -45,13 +45,13 @@ def sim_validate_command(
     """Configure the simulator as the demo's local cluster, calibrated from the record (or
     another run), and compare its predicted TTFT p50/p90, queueing/service split and
     per-request routes with the measured ones (exit 1 beyond 10% at p50)."""
-    from topkv.sim.validate_live import (
-        DemoRecord,
-        ValidationOptions,
+    from topkv.harness.validate_live import (
         calibration_from,
         format_report,
         validate_against_demo,
     )
+    from topkv.harness.validate_predict import ValidationOptions
+    from topkv.harness.validate_record import DemoRecord
 
     record = DemoRecord.load(demo_json)
     options = ValidationOptions(

@@ -11,4 +11,8 @@ transport > ...): nothing in the library imports a harness.
 * :mod:`topkv.harness.chaos`: ``topkv chaos``, fault injection against a local cluster of
   worker processes (:mod:`~topkv.harness.chaos_inprocess`: the same against in-process
   workers; :mod:`~topkv.harness.chaos_config`: its config and report).
+* :mod:`topkv.harness.validate_live`: ``topkv sim-validate``, the simulator against a
+  recorded demo run (it uses both :mod:`topkv.sim` and :mod:`topkv.demo`), with
+  :mod:`~topkv.harness.validate_record` (the record), :mod:`~topkv.harness.validate_model`
+  (calibration) and :mod:`~topkv.harness.validate_predict` (the simulated demo cluster).
 """
