@@ -11,7 +11,13 @@ from topkv.topology.build import _nvlink_pair_counts, discover_from_files
 from topkv.topology.detect.nvidia_smi import NvlinkLink, parse_cpu_list
 from topkv.topology.model import Cluster, TopologyError, Transport
 from topkv.topology.nicmap import render
-from topkv.topology.paths import classify, nvlink_generation_for, path_rank
+from topkv.topology.paths import (
+    classify,
+    link_between,
+    nearest_nics,
+    nvlink_generation_for,
+    path_rank,
+)
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 H100 = FIXTURES / "nvidia-smi-topo" / "sglang-30401-h100-8gpu-nv18-8nic.txt"
@@ -47,10 +53,10 @@ def test_replicate_and_cluster_queries() -> None:
     assert c.same_nvlink_domain(("h100-0", 0), ("h100-0", 7))
     assert not c.same_nvlink_domain(("h100-0", 0), ("h100-1", 0))
     assert {d.id for d in c.nvlink_domains} == {"h100-0/nvl0", "h100-1/nvl0"}
-    assert [n.name for n in c.nearest_nics("h100-1", 5)] == ["mlx5_5"]
-    inside = c.link_between(("h100-0", 0), ("h100-0", 1))
+    assert [n.name for n in nearest_nics(c.node("h100-1"), 5)] == ["mlx5_5"]
+    inside = link_between(c, ("h100-0", 0), ("h100-0", 1))
     assert inside.transport == Transport.NVLINK and inside.bandwidth_gbps == 450.0
-    across = c.link_between(("h100-0", 0), ("h100-1", 0))
+    across = link_between(c, ("h100-0", 0), ("h100-1", 0))
     assert across.transport == Transport.RDMA and across.bandwidth_gbps == 25.0
     with pytest.raises(TopologyError):
         c.gpu("h100-0", 8)
@@ -66,7 +72,7 @@ def test_nvl72_domain_spans_nodes() -> None:
     assert c.same_nvlink_domain(("gb-0", 0), ("gb-1", 1))
     (dom,) = c.nvlink_domains
     assert dom.kind == "NVL72" and len(dom.members) == 4
-    link = c.link_between(("gb-0", 0), ("gb-1", 1))
+    link = link_between(c, ("gb-0", 0), ("gb-1", 1))
     assert link.transport == Transport.NVSWITCH and link.bandwidth_gbps == 900.0
 
 

@@ -22,6 +22,7 @@ from topkv.relay.workers import Role, WorkerCapabilities, WorkerInfo
 from topkv.topology.build import discover_from_files
 from topkv.topology.detect.errors import ParseError
 from topkv.topology.model import Cluster
+from topkv.topology.paths import nearest_nics
 from topkv.transport.media import MEDIUM_FOR_MODE
 
 DEFAULT_FIXTURE = "sglang-30401-h100-8gpu-nv18-8nic.txt"
@@ -79,7 +80,7 @@ def worker_info(
     """The registry record of a demo worker on its emulated GPU (``capacity``: decode
     slots, which the relay's routing counts)."""
     gpu = cluster.gpu(placement.node, placement.gpu)
-    nics = cluster.nearest_nics(placement.node, placement.gpu)
+    nics = nearest_nics(cluster.node(placement.node), placement.gpu)
     return WorkerInfo(
         worker_id=placement.worker_id,
         role=placement.role,

@@ -40,7 +40,7 @@ def _unique(*links: str) -> tuple[str, ...]:
 
 
 def _usable_nics(cluster: Cluster, endpoint: Endpoint) -> list[NIC]:
-    nearest = cluster.nearest_nics(endpoint.node, endpoint.gpu)
+    nearest = paths.nearest_nics(cluster.node(endpoint.node), endpoint.gpu)
     return [n for n in nearest if n.state is None or n.active]
 
 
@@ -80,7 +80,7 @@ def pair_view_from_cluster(cluster: Cluster, src: Endpoint, dst: Endpoint) -> Pa
     model has no path between two GPUs of one node.
     """
     a, b = (src.node, src.gpu), (dst.node, dst.gpu)
-    link = cluster.link_between(a, b)  # validates both GPUs
+    link = paths.link_between(cluster, a, b)  # validates both GPUs
     same_node = src.node == dst.node
     same_domain = cluster.same_nvlink_domain(a, b)
     candidates: list[PathCandidate] = []

@@ -244,29 +244,6 @@ class Cluster(BaseModel):
                 return link.transport in (Transport.NVLINK, Transport.NVSWITCH)
         return ga.nvlink_domain is not None and ga.nvlink_domain == gb.nvlink_domain
 
-    def nearest_nics(self, node: str, gpu: int) -> list[NIC]:
-        from topkv.topology.paths import nearest_nics
-
-        return nearest_nics(self.node(node), gpu)
-
-    def link_between(self, a: GpuRef, b: GpuRef) -> Link:
-        """The path GPU ``a`` -> GPU ``b``; across nodes: NVL72 fabric, else RDMA, else TCP."""
-        from topkv.topology.paths import inter_node_link, loopback_link
-
-        if a == b:
-            self.gpu(*a)
-            return loopback_link(f"{a[0]}/GPU{a[1]}")
-        ga, gb = self.gpu(*a), self.gpu(*b)
-        if a[0] == b[0]:
-            link = self.node(a[0]).link(ga.label, gb.label)
-            if link is None:
-                raise TopologyError(
-                    f"no discovered path between GPU{a[1]} and GPU{b[1]} on {a[0]!r} "
-                    "(the tool output did not include that pair)"
-                )
-            return link
-        return inter_node_link(self, a, b)
-
     @classmethod
     def replicate(cls, node: Node, count: int, prefix: str | None = None) -> Cluster:
         """``count`` identical copies of one discovered node (e.g. two 8x H100 NV18 nodes).

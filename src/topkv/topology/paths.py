@@ -186,6 +186,23 @@ def _rdma_bandwidth(nics: list[NIC]) -> float:
     return min(rates) / 8.0 * RDMA_EFFICIENCY
 
 
+def link_between(cluster: Cluster, a: GpuRef, b: GpuRef) -> Link:
+    """The path GPU ``a`` -> GPU ``b``; across nodes: NVL72 fabric, else RDMA, else TCP."""
+    if a == b:
+        cluster.gpu(*a)
+        return loopback_link(f"{a[0]}/GPU{a[1]}")
+    ga, gb = cluster.gpu(*a), cluster.gpu(*b)
+    if a[0] == b[0]:
+        link = cluster.node(a[0]).link(ga.label, gb.label)
+        if link is None:
+            raise TopologyError(
+                f"no discovered path between GPU{a[1]} and GPU{b[1]} on {a[0]!r} "
+                "(the tool output did not include that pair)"
+            )
+        return link
+    return inter_node_link(cluster, a, b)
+
+
 def inter_node_link(cluster: Cluster, a: GpuRef, b: GpuRef) -> Link:
     """Path between GPUs on two different nodes."""
     if a[0] == b[0]:
