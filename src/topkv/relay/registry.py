@@ -1,4 +1,7 @@
-"""Worker registry interface, the embedded in-process backend, and a URL opener.
+"""Worker registry: the embedded in-process backend and a URL opener.
+
+The interface (:class:`WorkerRegistry`, :class:`Registration`, :class:`RegistryError`) is
+defined in :mod:`topkv.relay.registry_base` and importable from here too.
 
 Every backend keeps one record per worker under a time-to-live: a worker that stops
 heartbeating vanishes after its TTL, and watchers hear ``leave`` at once. Watch callbacks
@@ -10,46 +13,20 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Protocol
 
-from topkv.errors import ConfigError, TopKVError
+from topkv.errors import ConfigError
 from topkv.policy.clock import Clock, MonotonicClock
+from topkv.relay.registry_base import Registration, RegistryError, WatchCallback, WorkerRegistry
 from topkv.relay.workers import RegistryEvent, Role, WorkerInfo
 
-WatchCallback = Callable[[RegistryEvent], None]
-
-
-class RegistryError(TopKVError):
-    """The registry backend is unreachable or refused an operation."""
-
-
-class Registration(Protocol):
-    """Handle a worker keeps while registered."""
-
-    def heartbeat(self) -> None:
-        """Extend the record's lease; raise RegistryError if it already expired."""
-
-    def update(self, info: WorkerInfo) -> None:
-        """Replace the record (same worker id) keeping the lease."""
-
-    def deregister(self) -> None:
-        """Remove the record now; idempotent."""
-
-
-class WorkerRegistry(Protocol):
-    """Registry of live workers (embedded or etcd)."""
-
-    def register(self, info: WorkerInfo, ttl_s: float = 10.0) -> Registration: ...
-
-    def workers(self, role: Role | None = None) -> list[WorkerInfo]: ...
-
-    def get(self, worker_id: str) -> WorkerInfo | None: ...
-
-    def watch(self, callback: WatchCallback) -> Callable[[], None]:
-        """Call ``callback`` on every join/update/leave; returns a cancel function."""
-        ...
-
-    def close(self) -> None: ...
+__all__ = [
+    "MemoryRegistry",
+    "Registration",
+    "RegistryError",
+    "WatchCallback",
+    "WorkerRegistry",
+    "open_registry",
+]
 
 
 class _MemoryRegistration:

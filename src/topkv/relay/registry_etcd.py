@@ -23,7 +23,7 @@ from etcd3gw.exceptions import Etcd3Exception
 from etcd3gw.lease import Lease
 
 from topkv.errors import ConfigError
-from topkv.relay.registry import RegistryError, WatchCallback
+from topkv.relay.registry_base import RegistryError, WatchCallback
 from topkv.relay.workers import RegistryEvent, Role, WorkerInfo
 
 DEFAULT_PREFIX = "/topkv"
