@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from topkv.transport import registry
@@ -89,6 +89,7 @@ def register_all(
     host: str = "127.0.0.1",
     capacity_bytes: int | None = None,
     available_only: bool = False,
+    names: Iterable[str] | None = None,
 ) -> dict[str, str | None]:
     """Add nixl, mooncake and cuda to :mod:`topkv.transport.registry`; idempotent.
 
@@ -98,13 +99,23 @@ def register_all(
     ``TransportUnavailable`` with the reason) unless ``available_only``. The registered
     factories take only the shared secret: sinks listen on ``host`` (also the local address
     of Mooncake's own engine) with an arena of ``capacity_bytes`` (each engine's default,
-    1 GiB, when None).
+    1 GiB, when None). ``names``: only these engines (default: all three); a caller that
+    does not offer ``cuda`` leaves it out, since probing it imports torch.
     """
     sink_options: dict[str, Any] = {"host": host}
     if capacity_bytes is not None:
         sink_options["capacity_bytes"] = capacity_bytes
+    wanted = set(ENGINE_TRANSPORTS if names is None else names)
+    unknown = wanted - set(ENGINE_TRANSPORTS)
+    if unknown:
+        known = ", ".join(ENGINE_TRANSPORTS)
+        raise TransportUnavailable(
+            f"no engine transport {', '.join(sorted(unknown))}; known: {known}"
+        )
     reasons: dict[str, str | None] = {}
     for name, (mode, description) in ENGINE_TRANSPORTS.items():
+        if name not in wanted:
+            continue
         reason = reasons[name] = missing_package(name)
         if reason is not None and available_only:
             continue
