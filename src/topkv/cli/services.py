@@ -9,6 +9,7 @@ import signal
 import socket
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
@@ -22,8 +23,34 @@ from topkv.relay.workers import WorkerCapabilities
 from topkv.service.client import OrchestratorClient
 from topkv.service.errors import ServiceError
 
+if TYPE_CHECKING:
+    from topkv.service.engines import EngineSpec
+
 DEFAULT_PORT = 8470
 ORCHESTRATOR_ENV = "TOPKV_ORCHESTRATOR"
+ENGINE_HELP = (
+    "synthetic (deterministic KV of any layout) | hf (a transformers model: --model-path "
+    "DIR or --demo-model SEED; needs the model extra)"
+)
+MEDIA_HELP = (
+    "media to offer, from tcp,shm,nixl,mooncake,cuda (default: every one installed here; "
+    "nixl/mooncake: scripts/install-peers.sh)"
+)
+
+
+def _engine_spec(
+    engine: str, model_path: Path | None, demo_model: int | None, torch_threads: int
+) -> EngineSpec:
+    from topkv.service.engines import EngineSpec
+
+    if engine not in ("synthetic", "hf"):
+        raise ConfigError(f"--engine must be synthetic or hf, not {engine!r}")
+    return EngineSpec(
+        kind="hf" if engine == "hf" else "synthetic",
+        model_path=model_path,
+        demo_seed=demo_model,
+        torch_threads=torch_threads,
+    )
 
 
 def _logging(level: str) -> None:
@@ -116,13 +143,23 @@ def worker_command(
         help="fault injection for chaos tests, e.g. corrupt_rate=0.05,seed=3,slow_gbps=1.0 "
         "(default: $TOPKV_FAULTS, else none)",
     ),
+    engine: str = typer.Option("synthetic", help=ENGINE_HELP),
+    model_path: Path | None = typer.Option(None, help="--engine hf: a local HF model directory"),
+    demo_model: int | None = typer.Option(None, help="--engine hf: the seeded demo model"),
+    torch_threads: int = typer.Option(0, help="--engine hf: torch threads (0: torch's default)"),
+    media: str = typer.Option("", help=MEDIA_HELP),
 ) -> None:
-    """Run a worker: transfer endpoints (tcp, shm), KV buffers, control API, heartbeat."""
+    """Run a worker: an engine, transfer endpoints (every medium offered), KV buffers,
+    control API, heartbeat."""
     from topkv.service.worker import SECRET_ENV, WorkerConfig, WorkerFaults, serve_worker
+    from topkv.service.worker_media import parse_media, resolve_media
 
     _logging(log_level)
     if role not in ("prefill", "decode"):
         raise ConfigError(f"--role must be prefill or decode, not {role!r}")
+    engine_spec = _engine_spec(engine, model_path, demo_model, torch_threads)
+    offered = parse_media(media)
+    resolve_media(offered, shm=shm)  # exits 2 naming a medium this host lacks
     if secret_file is not None:
         try:
             secret = secret_file.read_bytes().strip()
@@ -148,6 +185,8 @@ def worker_command(
         capabilities=WorkerCapabilities(nvlink=nvlink, rdma=rdma, shm=shm),
         ready_file=ready_file,
         faults=WorkerFaults.parse(faults) if faults else WorkerFaults.from_env(),
+        engine=engine_spec,
+        media=offered,
     )
 
     async def main(stop: asyncio.Event) -> None:
@@ -170,10 +209,34 @@ def cluster_up_command(
     smoke_tokens: int = typer.Option(256, help="smoke KV: tokens"),
     json_output: bool = typer.Option(False, "--json", help="machine-readable output"),
     run_dir: Path | None = typer.Option(None, help="logs and ready files (default: temp dir)"),
+    media: str = typer.Option("", help="media every worker offers; " + MEDIA_HELP),
+    force_transport: str = typer.Option(
+        "", help="--smoke: move every transfer over this medium (e.g. nixl, mooncake, tcp, shm)"
+    ),
+    engine: str = typer.Option("synthetic", help="every worker's engine: " + ENGINE_HELP),
+    model_path: Path | None = typer.Option(None, help="--engine hf: a local HF model directory"),
+    demo_model: int | None = typer.Option(None, help="--engine hf: the seeded demo model"),
 ) -> None:
     """Start an orchestrator and N + M workers as real processes (Ctrl-C stops them all)."""
-    from topkv.service.cluster import ClusterConfig, LocalCluster, SmokeLayout, run_smoke
+    from topkv.service.cluster import (
+        ClusterConfig,
+        LocalCluster,
+        SmokeLayout,
+        check_forced_medium,
+        run_smoke,
+        smoke_results,
+    )
+    from topkv.service.worker_media import parse_media, resolve_media
 
+    offered = parse_media(media)
+    if offered is not None:
+        resolve_media(offered)  # exits 2 naming a medium this host lacks
+    forced = force_transport or None
+    if forced is not None:
+        if not smoke:
+            raise ConfigError("--force-transport applies to the --smoke run; add --smoke K")
+        check_forced_medium(forced, offered)
+    engine_spec = _engine_spec(engine, model_path, demo_model, 1 if engine == "hf" else 0)
     console = stdout_console()
     cluster = LocalCluster(
         ClusterConfig(
@@ -185,6 +248,8 @@ def cluster_up_command(
             port=port,
             ttl_s=ttl,
             capacity=capacity,
+            media=offered,
+            engine=engine_spec,
         ),
         run_dir,
     )
@@ -195,14 +260,23 @@ def cluster_up_command(
         described = cluster.describe()
         if smoke:
             report = run_smoke(
-                cluster.client(), smoke, SmokeLayout(layers=smoke_layers, tokens=smoke_tokens)
+                cluster.client(),
+                smoke,
+                SmokeLayout(layers=smoke_layers, tokens=smoke_tokens),
+                medium=forced,
+                model_id=cluster.served_model(),
             )
             if json_output:
-                typer.echo(dumps({"cluster": described, "smoke": report}, indent=2))
+                results = smoke_results(report)
+                typer.echo(
+                    dumps({"cluster": described, "smoke": report, "results": results}, indent=2)
+                )
             else:
                 _print_cluster(console, described)
                 _print_smoke(console, report)
             ok = report["delivered"] == report["submitted"] == report["verified"]
+            if forced is not None:
+                ok = ok and all(r["medium"] == forced for r in report["results"])
             raise typer.Exit(0 if ok else 1)
         if json_output:
             typer.echo(dumps(described, indent=2))

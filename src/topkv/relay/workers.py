@@ -20,6 +20,11 @@ class WorkerCapabilities(BaseModel):
     rdma: bool = False
     tcp: bool = True
     shm: bool = True
+    media: tuple[str, ...] = Field(
+        default=(),
+        description="real media the worker serves (tcp, shm, nixl, mooncake, cuda); empty: "
+        "tcp and, with shm, shm",
+    )
 
 
 class WorkerInfo(BaseModel):

@@ -9,14 +9,19 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from topkv.errors import ConfigError
 from topkv.kv.catalog import get_model
 from topkv.relay.workers import WorkerInfo
-from topkv.service.messages import LayoutModel
+from topkv.service.messages import MAX_PROMPT_TOKENS, LayoutModel
 
 
 class SubmitRequest(BaseModel):
     """``POST /v1/requests``: a prefilled request whose KV must reach a decode worker.
 
     Give the KV shape either as ``layout`` or as ``prompt_tokens`` of a catalog ``model``
-    whose layers all use full attention (others need an explicit ``layout``).
+    whose layers all use full attention (others need an explicit ``layout``). A *prompt
+    request* instead gives ``prompt`` (token ids) or ``prompt_seed`` with ``prompt_tokens``
+    (its length) for a prefill worker that serves a model (``topkv worker --engine hf``):
+    ``model`` names that model, the worker's model gives the layout, its prefill streams
+    each layer to the decode worker as it is computed, and ``new_tokens`` > 0 has the decode
+    worker generate that many tokens from the KV it received (``decode_check.tokens``).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -37,12 +42,42 @@ class SubmitRequest(BaseModel):
         "model's prefill); false when the source already holds it",
     )
     transport: str | None = Field(default=None, description="manual transport override")
+    medium: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=64,
+        description="force the medium that moves the bytes (tcp, shm, nixl, mooncake, cuda, "
+        "emulated-<mode>); both workers must offer it",
+    )
+    prompt: list[int] | None = Field(default=None, min_length=1, max_length=MAX_PROMPT_TOKENS)
+    prompt_seed: int | None = Field(default=None, ge=0, lt=2**63)
+    new_tokens: int = Field(
+        default=0, ge=0, le=4096, description="tokens the decode worker generates (prompts)"
+    )
 
     @model_validator(mode="after")
     def _one_shape(self) -> SubmitRequest:
+        if self.is_prompt:
+            if self.prompt is not None and self.prompt_seed is not None:
+                raise ValueError("give 'prompt' (token ids) or 'prompt_seed', not both")
+            if self.layout is not None:
+                raise ValueError("a prompt's layout comes from the prefill worker's model")
+            if (self.prompt_seed is None) != (self.prompt_tokens is None) or (
+                self.prompt is not None and self.prompt_tokens is not None
+            ):
+                raise ValueError("'prompt_seed' goes with 'prompt_tokens' (its length)")
+            if not self.prefill:
+                raise ValueError("a prompt request is prefilled by its source: 'prefill' true")
+            return self
         if (self.layout is None) == (self.prompt_tokens is None):
             raise ValueError("give exactly one of 'layout' or 'prompt_tokens'")
+        if self.new_tokens:
+            raise ValueError("'new_tokens' needs a prompt ('prompt' or 'prompt_seed')")
         return self
+
+    @property
+    def is_prompt(self) -> bool:
+        return self.prompt is not None or self.prompt_seed is not None
 
     def resolved_layout(self) -> LayoutModel:
         """The KV layout: as given, or derived from the catalog model and prompt length."""
@@ -117,6 +152,9 @@ class DecodeCheck(BaseModel):
     digest: int | None
     matches_source: bool
     detail: str = ""
+    tokens: list[int] | None = Field(
+        default=None, description="tokens the decode worker generated (prompt requests)"
+    )
 
 
 class TransferList(BaseModel):

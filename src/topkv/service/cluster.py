@@ -27,9 +27,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from topkv.errors import ConfigError
 from topkv.service.client import OrchestratorClient
+from topkv.service.engines import EngineSpec
 from topkv.service.errors import ClusterError, ServiceError
 from topkv.service.worker import FAULTS_ENV, SECRET_ENV, WorkerFaults
+from topkv.service.worker_media import (
+    check_medium_name,
+    sink_medium,
+    unavailable_error,
+    why_unavailable,
+)
 
 _PR_SET_PDEATHSIG = 1
 
@@ -184,6 +192,7 @@ class WorkerPlacement:
     host_id: str | None = None
     bind_host: str = "127.0.0.1"
     faults: WorkerFaults | None = None  # injected faults (``topkv chaos``); None: none
+    engine: EngineSpec | None = None  # None: the cluster's engine
 
 
 @dataclass
@@ -201,6 +210,8 @@ class ClusterConfig:
     orchestrator_netns: str | None = None
     attempt_timeout_s: float = 30.0
     extra_orchestrator_args: Sequence[str] = ()
+    media: tuple[str, ...] | None = None  # what every worker offers; None: all installed
+    engine: EngineSpec = field(default_factory=EngineSpec)
 
     def worker_placements(self) -> list[WorkerPlacement]:
         if self.placements is not None:
@@ -287,6 +298,11 @@ class LocalCluster:
         ]
         if placement.host_id:
             args += ["--host-id", placement.host_id]
+        engine = placement.engine or cfg.engine
+        if engine.kind != "synthetic":
+            args += engine.cli_args()
+        if cfg.media is not None:
+            args += ["--media", ",".join(cfg.media)]
         if cfg.registry.startswith("etcd://"):
             args += ["--registry", cfg.registry]
         else:
@@ -328,11 +344,22 @@ class LocalCluster:
                     "tcp": p.ready.get("tcp"),
                     "shm": p.ready.get("shm"),
                     "host_id": p.ready.get("host_id"),
+                    "media": p.ready.get("media"),
+                    "engine": p.ready.get("engine"),
                 }
                 for name, p in self.workers.items()
             ],
             "logs": str(self.run_dir),
         }
+
+    def served_model(self) -> str | None:
+        """The model id the prefill workers' engine serves (None: the synthetic engine)."""
+        for process in self.workers.values():
+            engine = process.ready.get("engine")
+            if process.ready.get("role") == "prefill" and isinstance(engine, dict):
+                model_id = engine.get("model_id")
+                return str(model_id) if model_id else None
+        return None
 
     def __enter__(self) -> LocalCluster:
         self.start()
@@ -360,6 +387,20 @@ class SmokeLayout:
         }
 
 
+def check_forced_medium(medium: str, media: Sequence[str] | None) -> None:
+    """ConfigError (exit 2) unless ``medium`` is known, installed here and among ``media``."""
+    check_medium_name(medium)
+    carrier = sink_medium(medium)
+    reason = why_unavailable(carrier)
+    if reason is not None:
+        raise unavailable_error(carrier, reason, "--force-transport")
+    if media is not None and carrier not in media:
+        raise ConfigError(
+            f"--force-transport {medium} needs {carrier}, which is not among --media "
+            f"{','.join(media)}"
+        )
+
+
 def run_smoke(
     client: OrchestratorClient,
     count: int,
@@ -369,15 +410,36 @@ def run_smoke(
     first_id: int = 1,
     timeout_s: float = 60.0,
     sources: Sequence[str] | None = None,
+    medium: str | None = None,
+    model_id: str | None = None,
+    new_tokens: int = 4,
 ) -> dict[str, Any]:
-    """Submit ``count`` requests, wait for each, and report what happened to every one."""
+    """Submit ``count`` requests, wait for each, and report what happened to every one.
+
+    ``medium`` forces the medium of every transfer. ``model_id``: the workers serve that
+    model (``--engine hf``), so each request is a prompt of ``layout.tokens`` ids (seeded by
+    its id) whose decode worker generates ``new_tokens`` tokens.
+    """
     if count < 1:
         raise ServiceError(f"--smoke needs a positive count, got {count}")
     submitted: list[int] = []
     for n in range(count):
         rid = first_id + n
         source = sources[n % len(sources)] if sources else None
-        client.submit(request_id=rid, model=model, layout=layout.as_json(), source=source)
+        if model_id is not None:
+            client.submit(
+                request_id=rid,
+                model=model_id,
+                prompt_seed=rid,
+                prompt_tokens=layout.tokens,
+                new_tokens=new_tokens,
+                source=source,
+                medium=medium,
+            )
+        else:
+            client.submit(
+                request_id=rid, model=model, layout=layout.as_json(), source=source, medium=medium
+            )
         submitted.append(rid)
     results = [client.wait_done(rid, timeout_s) for rid in submitted]
     delivered = [r for r in results if r["state"] == "delivered"]
@@ -402,10 +464,35 @@ def run_smoke(
                 "attempts": len(r["attempts"]),
                 "verified": bool((r.get("decode_check") or {}).get("matches_source")),
                 "reason": r["reason"],
+                "tokens": (r.get("decode_check") or {}).get("tokens"),
             }
             for r in results
         ],
     }
+
+
+def smoke_results(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """One entry per smoke transfer, ``transport`` being the medium that moved its bytes
+    (``path``: the path class the policy chose); what ``cluster up --smoke --json`` prints
+    as ``results``."""
+    return [
+        {
+            "request_id": r["request_id"],
+            "transport": r["medium"],
+            "path": r["transport"],
+            "verified": r["verified"],
+            "state": r["state"],
+            "source": r["source"],
+            "destination": r["destination"],
+            "emulated": r["emulated"],
+            "bytes": report["bytes_each"],
+            "seconds": r["transfer_seconds"],
+            "attempts": r["attempts"],
+            "reason": r["reason"],
+            "tokens": r["tokens"],
+        }
+        for r in report["results"]
+    ]
 
 
 @contextlib.contextmanager

@@ -12,8 +12,13 @@ Endpoints (full reference with bodies in ``docs/services.md``; schema at ``/open
 
 Transfers are executed by :class:`~topkv.service.remote_executor.RemoteExecutor`, which
 drives the workers' control APIs. A *decode stand-in* consumes each completion: it reads
-the delivered KV's digest at the decode worker, checks it against the source's, then
-frees the copy and the decode slot (real decoding belongs to :mod:`topkv.engine`).
+the delivered KV's digest at the decode worker, checks it against the source's, for a
+prompt request with ``new_tokens`` has the decode worker's model generate them from that KV
+(``decode_check.tokens``), then frees the copy and the decode slot.
+
+A prompt request (``prompt`` or ``prompt_seed``) starts the prefill worker's model on the
+prompt without waiting and submits the transfer with a deferred digest at once, so the
+first attempt streams each layer while prefill still computes the next.
 """
 
 from __future__ import annotations
@@ -67,9 +72,10 @@ from topkv.service.api_models import (
     WorkerView,
 )
 from topkv.service.httputil import error_response, int_param, model_response, read_model
-from topkv.service.messages import PrefillRequest, RegisterRequest
+from topkv.service.messages import LayoutModel, PrefillRequest, RegisterRequest
 from topkv.service.openapi import openapi_document
 from topkv.service.remote_executor import RemoteExecutor
+from topkv.service.worker_media import check_medium_name
 from topkv.topology.model import Cluster, TopologyError
 
 log = logging.getLogger(__name__)
@@ -135,6 +141,7 @@ class OrchestratorService:
         )
         self._registrations: dict[str, Registration] = {}
         self._checks: OrderedDict[int, DecodeCheck] = OrderedDict()
+        self._generate: OrderedDict[int, int] = OrderedDict()  # request -> new_tokens
         self._ids = itertools.count(1)
         self._round_robin = itertools.count()
         self._tasks: list[asyncio.Task[None]] = []
@@ -191,17 +198,7 @@ class OrchestratorService:
                 detail="the decode worker left before decode took the KV",
             )
         else:
-            try:
-                digest = await self.executor.held_digest(worker, rid)
-                check = DecodeCheck(
-                    worker=worker.worker_id,
-                    digest=digest,
-                    matches_source=digest == record.source_digest,
-                )
-            except AttemptFailed as exc:
-                check = DecodeCheck(
-                    worker=worker.worker_id, digest=None, matches_source=False, detail=str(exc)
-                )
+            check = await self._check_and_generate(worker, rid, record.source_digest)
             await self.executor.discard_destination(worker, rid)
         self.decode_checks.labels("match" if check.matches_source else "mismatch").inc()
         self._checks[rid] = check
@@ -209,6 +206,30 @@ class OrchestratorService:
             self._checks.popitem(last=False)
         with contextlib.suppress(UnknownRequest):
             self.orchestrator.release_decode_slot(rid)
+
+    async def _check_and_generate(
+        self, worker: WorkerInfo, rid: int, source_digest: int | None
+    ) -> DecodeCheck:
+        """The held KV's digest against the source's; then the tokens asked for, if any."""
+        new_tokens = self._generate.pop(rid, 0)
+        try:
+            digest = await self.executor.held_digest(worker, rid)
+        except AttemptFailed as exc:
+            return DecodeCheck(
+                worker=worker.worker_id, digest=None, matches_source=False, detail=str(exc)
+            )
+        check = DecodeCheck(
+            worker=worker.worker_id, digest=digest, matches_source=digest == source_digest
+        )
+        if new_tokens and check.matches_source:
+            first_token = self.executor.first_token(rid)
+            try:
+                decoded = await self.executor.decode(worker, rid, first_token, new_tokens)
+            except (AttemptFailed, ConfigError) as exc:
+                check.detail = f"decode failed: {exc}"
+            else:
+                check.tokens = decoded.tokens
+        return check
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -252,7 +273,7 @@ class OrchestratorService:
 
     async def submit(self, request: web.Request) -> web.Response:
         body = await read_model(request, SubmitRequest)
-        layout = body.resolved_layout()
+        layout = None if body.is_prompt else body.resolved_layout().to_layout()
         source = self.orchestrator.view.get(body.source) if body.source else self._pick_source()
         if source is None or source.role != "prefill":
             raise UnknownWorker(f"{body.source!r} is not a registered prefill worker")
@@ -260,22 +281,64 @@ class OrchestratorService:
         existing = self.orchestrator.transfers.get(rid)
         if existing is not None and not existing.terminal:
             raise DuplicateRequest(f"request {rid} is already being transferred")
+        if body.medium is not None:
+            check_medium_name(body.medium)
+        self.executor.force_medium(rid, body.medium)
+        if body.is_prompt:
+            record = await self._submit_prompt(body, rid, source)
+            return model_response(self.view_of(record), status=202)
+        assert layout is not None
         digest: int | None = None
         if body.prefill:
             held = await self.executor.prefill(
-                source, rid, PrefillRequest(model_id=body.model, layout=layout)
+                source, rid, PrefillRequest(model_id=body.model, layout=LayoutModel.of(layout))
             )
             digest = held.digest
         record = await self.orchestrator.submit(
             rid,
             body.model,
-            layout.to_layout(),
+            layout,
             source.worker_id,
             block=False,
             source_digest=digest,
             manual_override=body.transport,
         )
         return model_response(self.view_of(record), status=202)
+
+    async def _submit_prompt(
+        self, body: SubmitRequest, rid: int, source: WorkerInfo
+    ) -> TransferRecord:
+        """Start the source's prefill of the prompt, then the transfer while it computes."""
+        started = await self.executor.prefill(
+            source,
+            rid,
+            PrefillRequest(
+                model_id=body.model,
+                prompt=body.prompt,
+                prompt_seed=body.prompt_seed,
+                prompt_tokens=body.prompt_tokens,
+                wait=False,
+            ),
+        )
+        try:
+            record = await self.orchestrator.submit(
+                rid,
+                started.model_id,
+                started.layout.to_layout(),
+                source.worker_id,
+                block=False,
+                defer_digest=True,
+                manual_override=body.transport,
+            )
+        except BaseException:
+            await self.executor.release_source(source, rid)
+            raise
+        self._generate.pop(rid, None)
+        if body.new_tokens:
+            self._generate[rid] = body.new_tokens
+            while len(self._generate) > self.config.decode_checks_kept:
+                self._generate.popitem(last=False)
+        return record
 
     async def get_request(self, request: web.Request) -> web.Response:
         record = self.orchestrator.transfer(int_param(request, "request_id"))

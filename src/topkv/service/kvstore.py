@@ -1,15 +1,18 @@
-"""KV buffers a worker holds: produced by (stand-in) prefill, or received from a peer.
+"""KV buffers a worker holds: produced by its engine's prefill, or received from a peer.
 
-Prefill here is a stand-in for a model: :func:`synthetic_kv` fills each tensor with
-deterministic pseudo-random bytes seeded by the request id and model id, so any process can
-tell which bytes a request *should* have. The real-model path lives in :mod:`topkv.engine`.
+A prefill's KV is held from the moment the prefill starts: :meth:`HeldKV.publish` adds each
+layer as the engine finishes it and hands it to every subscribed send at once, so a transfer
+can stream layer *i* while later layers still compute; :meth:`HeldKV.finish` marks it whole.
+The synthetic engine's bytes (:func:`synthetic_layers`, :func:`synthetic_kv`) are
+deterministic pseudo-random, seeded by request id and model id, so any process can tell
+which bytes a request *should* have. The real-model path lives in :mod:`topkv.engine`.
 """
 
 from __future__ import annotations
 
 import threading
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -18,6 +21,9 @@ from topkv.relay.executor import kv_digest
 from topkv.service.errors import ServiceError
 from topkv.transport.base import KVLayout, LayerTensors
 from topkv.wire import crc64
+
+#: ``listener(layer_index, tensors, crcs)``: one published layer (runs on the engine's thread).
+LayerListener = Callable[[int, LayerTensors, tuple[int, ...]], None]
 
 
 class CapacityExceeded(ServiceError):
@@ -28,9 +34,17 @@ class UnknownKV(ServiceError):
     """The worker holds no KV cache for this request."""
 
 
+class PrefillFailed(ServiceError):
+    """The engine's prefill of this request failed, or its KV was released before the end."""
+
+
 @dataclass
 class HeldKV:
-    """One request's KV cache held by a worker, with the CRC-64 of every tensor."""
+    """One request's KV cache held by a worker, with the CRC-64 of every tensor.
+
+    ``complete`` is False while the engine's prefill is still publishing layers (see the
+    module docstring); ``first_token`` is the token prefill produced (model engines only).
+    """
 
     request_id: int
     model_id: str
@@ -40,14 +54,124 @@ class HeldKV:
     origin: str
     medium: str = ""
     release: Callable[[], None] | None = field(default=None, repr=False)
+    complete: bool = True
+    first_token: int | None = None
+    error: str | None = None
+    _cond: threading.Condition = field(default_factory=threading.Condition, repr=False)
+    _listeners: list[LayerListener] = field(default_factory=list, repr=False)
+    _on_done: list[Callable[[], None]] = field(default_factory=list, repr=False)
+    _in_use: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @classmethod
+    def producing(cls, request_id: int, model_id: str, layout: KVLayout) -> HeldKV:
+        """An empty KV that the engine's prefill is about to fill layer by layer."""
+        return cls(request_id, model_id, layout, [], [], origin="prefill", complete=False)
 
     @property
     def digest(self) -> int:
         return kv_digest([crc for layer in self.crcs for crc in layer])
 
+    @property
+    def subscribers(self) -> int:
+        """Sends waiting for layers not yet published (each gets them straight from prefill)."""
+        with self._cond:
+            return len(self._listeners)
+
+    @property
+    def ended(self) -> bool:
+        """Whole, or failed: no further layer will be published."""
+        return self.complete or self.error is not None
+
+    # -- producing ---------------------------------------------------------------------------
+
+    def publish(self, index: int, tensors: LayerTensors, crcs: tuple[int, ...]) -> None:
+        """Add layer ``index`` (the next one) and offer it to every subscribed send."""
+        with self._cond:
+            if self.ended:
+                raise PrefillFailed(
+                    f"request {self.request_id}: KV released before prefill finished"
+                )
+            if index != len(self.layers) or index >= self.layout.num_layers:
+                raise PrefillFailed(
+                    f"request {self.request_id}: engine published layer {index}, expected "
+                    f"{len(self.layers)} of {self.layout.num_layers}"
+                )
+            self.layers.append(tensors)
+            self.crcs.append(crcs)
+            for listener in self._listeners:
+                listener(index, tensors, crcs)
+
+    def finish(self, first_token: int | None) -> None:
+        """Every layer is published: the KV is whole (or, with layers missing, failed)."""
+        with self._cond:
+            if self.ended:
+                return
+            if len(self.layers) != self.layout.num_layers:
+                self.error = (
+                    f"prefill published {len(self.layers)} of {self.layout.num_layers} layers"
+                )
+            else:
+                self.complete = True
+                self.first_token = first_token
+            callbacks, self._on_done = self._on_done, []
+            self._listeners = []
+            self._cond.notify_all()
+        for callback in callbacks:
+            callback()
+
+    def fail(self, reason: str) -> None:
+        with self._cond:
+            if self.ended:
+                return
+            self.error = reason
+            callbacks, self._on_done = self._on_done, []
+            self._listeners = []
+            self._cond.notify_all()
+        for callback in callbacks:
+            callback()
+
+    # -- consuming ---------------------------------------------------------------------------
+
+    def subscribe(self, listener: LayerListener) -> Callable[[], None]:
+        """Offer ``listener`` the layers published so far (now), then each new one as it is
+        published; returns the function that stops the offers."""
+        with self._cond:
+            for index, (tensors, crcs) in enumerate(zip(self.layers, self.crcs, strict=True)):
+                listener(index, tensors, crcs)
+            if not self.ended:
+                self._listeners.append(listener)
+
+        def unsubscribe() -> None:
+            with self._cond:
+                if listener in self._listeners:
+                    self._listeners.remove(listener)
+
+        return unsubscribe
+
+    def when_ended(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once the KV is whole or failed (at once if it already is)."""
+        with self._cond:
+            if not self.ended:
+                self._on_done.append(callback)
+                return
+        callback()
+
+    def check_whole(self) -> None:
+        """Raise :class:`PrefillFailed` unless every layer is here."""
+        if self.error is not None:
+            raise PrefillFailed(f"request {self.request_id}: {self.error}")
+        if not self.complete:
+            raise PrefillFailed(f"request {self.request_id}: prefill is still running")
+
+    def use(self) -> threading.Lock:
+        """Hold while reading the tensors outside the store (decode): :meth:`free` waits."""
+        return self._in_use
+
     def free(self) -> None:
-        release, self.release = self.release, None
-        self.layers = []
+        self.fail("the KV was released")
+        with self._in_use:
+            release, self.release = self.release, None
+            self.layers = []
         if release is not None:
             release()
 
@@ -56,17 +180,25 @@ def _seed(request_id: int, model_id: str) -> int:
     return (request_id << 32) ^ zlib.crc32(model_id.encode())
 
 
-def synthetic_kv(request_id: int, model_id: str, layout: KVLayout) -> HeldKV:
-    """Deterministic pseudo-random KV for ``request_id`` (a stand-in for a prefill's output)."""
+def synthetic_layers(
+    request_id: int, model_id: str, layout: KVLayout
+) -> Iterator[tuple[LayerTensors, tuple[int, ...]]]:
+    """Each layer's deterministic pseudo-random tensors and their CRC-64s, in order."""
     rng = np.random.default_rng(_seed(request_id, model_id))
-    layers: list[LayerTensors] = []
-    crcs: list[tuple[int, ...]] = []
     for _ in range(layout.num_layers):
         tensors = tuple(
             memoryview(rng.bytes(layout.tensor_bytes)) for _ in range(layout.tensors_per_layer)
         )
+        yield tensors, tuple(crc64(t) for t in tensors)
+
+
+def synthetic_kv(request_id: int, model_id: str, layout: KVLayout) -> HeldKV:
+    """Deterministic pseudo-random KV for ``request_id`` (a stand-in for a prefill's output)."""
+    layers: list[LayerTensors] = []
+    crcs: list[tuple[int, ...]] = []
+    for tensors, layer_crcs in synthetic_layers(request_id, model_id, layout):
         layers.append(tensors)
-        crcs.append(tuple(crc64(t) for t in tensors))
+        crcs.append(layer_crcs)
     return HeldKV(request_id, model_id, layout, layers, crcs, origin="prefill")
 
 

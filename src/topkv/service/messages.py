@@ -73,13 +73,48 @@ class ErrorResponse(BaseModel):
 # -- worker control API ----------------------------------------------------------------------
 
 
+#: Longest prompt (token ids) one prefill request may carry.
+MAX_PROMPT_TOKENS = 1 << 20
+
+
 class PrefillRequest(BaseModel):
-    """Ask a prefill worker to produce (deterministic random) KV for a request."""
+    """Ask a prefill worker to produce a request's KV with its engine.
+
+    The synthetic engine takes ``model_id`` and ``layout`` (deterministic random bytes);
+    a model engine (``--engine hf``) takes a prompt, as token ids (``prompt``) or as
+    :func:`topkv.engine.prompt_token_ids` of ``prompt_tokens`` ids drawn from
+    ``prompt_seed``, and derives the layout from its model (``model_id``, if given, must
+    name the model it serves). ``wait``: answer once the KV is whole (``201``); false
+    answers at once (``202``) while prefill runs, and a send started meanwhile streams each
+    layer as the engine finishes it.
+    """
 
     model_config = ConfigDict(extra="forbid")
 
-    model_id: str = Field(min_length=1, max_length=200)
-    layout: LayoutModel
+    model_id: str = Field(default="", max_length=200)
+    layout: LayoutModel | None = None
+    prompt: list[int] | None = Field(default=None, min_length=1, max_length=MAX_PROMPT_TOKENS)
+    prompt_seed: int | None = Field(default=None, ge=0, lt=2**63)
+    prompt_tokens: int | None = Field(default=None, ge=1, le=MAX_PROMPT_TOKENS)
+    wait: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self) -> PrefillRequest:
+        if self.prompt is not None and self.prompt_seed is not None:
+            raise ValueError("give 'prompt' (token ids) or 'prompt_seed', not both")
+        if self.prompt_seed is not None and self.prompt_tokens is None:
+            raise ValueError("'prompt_seed' needs 'prompt_tokens' (the prompt's length)")
+        if self.prompt_tokens is not None and self.prompt_seed is None:
+            raise ValueError("'prompt_tokens' goes with 'prompt_seed'")
+        if self.has_prompt and self.layout is not None:
+            raise ValueError("a prompt's KV layout comes from the worker's model; omit 'layout'")
+        if not self.has_prompt and (self.layout is None or not self.model_id):
+            raise ValueError("give 'model_id' and 'layout', or a prompt ('prompt'/'prompt_seed')")
+        return self
+
+    @property
+    def has_prompt(self) -> bool:
+        return self.prompt is not None or self.prompt_seed is not None
 
 
 class KVSummary(BaseModel):
@@ -89,9 +124,39 @@ class KVSummary(BaseModel):
     model_id: str
     layout: LayoutModel
     size_bytes: int
-    digest: int = Field(description="kv_digest of the held bytes (CRC-64 of each tensor)")
+    digest: int = Field(
+        description="kv_digest of the held bytes (CRC-64 of each tensor); 0 while prefill "
+        "is still producing them (complete false)"
+    )
     origin: Literal["prefill", "received"]
     medium: str = ""
+    complete: bool = Field(default=True, description="false while prefill is still running")
+    first_token: int | None = Field(
+        default=None, description="the token prefill produced (model engines)"
+    )
+
+
+class DecodeRequest(BaseModel):
+    """Continue generation from a held KV (model engines): greedy, no EOS stop."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_new_tokens: int = Field(ge=1, le=4096)
+    first_token: int | None = Field(
+        default=None,
+        ge=0,
+        description="prefill's token; omit when this worker ran the prefill itself",
+    )
+
+
+class DecodeResult(BaseModel):
+    """``max_new_tokens`` greedy tokens, the first being prefill's."""
+
+    request_id: int
+    model_id: str
+    prompt_len: int
+    tokens: list[int]
+    seconds: float
 
 
 class ReceiveRequest(BaseModel):

@@ -13,6 +13,12 @@ reached the destination (``DELETE {destination}/v1/kv/{id}``), so a failed attem
 nothing behind. Errors map to :class:`~topkv.relay.transfers.FailureKind`: an unreachable
 destination is ``destination_died``, an unreachable or empty source ``source_lost``, and a
 transport error reported by a worker keeps the kind the worker classified.
+
+Media: the selection policy picks a *path class*; :meth:`RemoteExecutor.medium_for` picks the
+medium both workers offer (their registrations list them): an engine medium first where one
+serves the class (``nixl`` for rdma, ``cuda`` for nvlink/nvswitch), else the default table
+(:data:`~topkv.transport.media.DEFAULT_MEDIA`). A request submitted with a ``medium`` is
+moved by that medium only (:meth:`RemoteExecutor.force_medium`).
 """
 
 from __future__ import annotations
@@ -20,15 +26,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
 import aiohttp
 
+from topkv.errors import ConfigError
 from topkv.relay.executor import AttemptFailed, AttemptPlan, Delivery
 from topkv.relay.transfers import FailureKind
 from topkv.relay.workers import WorkerInfo
 from topkv.service.messages import (
+    DecodeRequest,
+    DecodeResult,
     KVSummary,
     LayoutModel,
     PrefillRequest,
@@ -38,13 +48,23 @@ from topkv.service.messages import (
     SendResult,
     WaitRequest,
 )
-from topkv.transport import registry as transports
+from topkv.service.worker_media import check_medium
 from topkv.transport.base import KVLayout
 from topkv.transport.media import DEFAULT_MEDIA
-from topkv.transport.shm import ShmSink
 
 #: Extra seconds an HTTP call may take beyond the attempt's own timeout.
 _HTTP_MARGIN_S = 5.0
+
+#: Engine media that serve a path class, preferred (in order) over the default medium
+#: when both workers offer one.
+ENGINE_MEDIA_FOR_PATH: Mapping[str, tuple[str, ...]] = {
+    "rdma": ("nixl",),
+    "nvlink": ("cuda",),
+    "nvswitch": ("cuda",),
+}
+
+#: Requests remembered per table (forced media, prefill's first tokens).
+_REMEMBERED = 65_536
 
 
 class RemoteExecutor:
@@ -61,6 +81,8 @@ class RemoteExecutor:
         self.call_timeout_s = call_timeout_s
         self._max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None
+        self._forced: OrderedDict[int, str] = OrderedDict()
+        self._first_tokens: OrderedDict[int, int] = OrderedDict()
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -73,22 +95,40 @@ class RemoteExecutor:
             await self._session.close()
             self._session = None
 
+    def force_medium(self, request_id: int, medium: str | None) -> None:
+        """Move ``request_id``'s KV over ``medium`` only (None: let the path class choose)."""
+        self._forced.pop(request_id, None)
+        if medium is not None:
+            _remember(self._forced, request_id, medium)
+
     def medium_for(self, plan: AttemptPlan) -> str:
         """The medium serving ``plan.transport`` between these two workers."""
+        forced = self._forced.get(plan.request_id)
+        if forced is not None:
+            problem = check_medium(forced, plan.source, plan.destination)
+            if problem is not None:
+                raise AttemptFailed(FailureKind.TRANSPORT, f"forced medium {forced}: {problem}")
+            return forced
         medium = self.media.get(plan.transport)
         if medium is None:
             raise AttemptFailed(
                 FailureKind.TRANSPORT, f"no medium here serves {plan.transport!r} paths"
             )
-        same_host = bool(plan.source.host_id) and plan.source.host_id == plan.destination.host_id
-        if transports.get(medium).make_sink is ShmSink and not same_host:
-            raise AttemptFailed(
-                FailureKind.TRANSPORT,
-                f"{medium} needs one host; {plan.source.worker_id} is on "
-                f"{plan.source.host_id or '?'} and {plan.destination.worker_id} on "
-                f"{plan.destination.host_id or '?'}",
-            )
+        for engine in ENGINE_MEDIA_FOR_PATH.get(plan.transport, ()):
+            if check_medium(engine, plan.source, plan.destination) is None:
+                return engine
+        problem = check_medium(medium, plan.source, plan.destination)
+        if problem is not None:
+            raise AttemptFailed(FailureKind.TRANSPORT, problem)
         return medium
+
+    def first_token(self, request_id: int) -> int | None:
+        """Prefill's first token of ``request_id``, as its source reported it (once)."""
+        return self._first_tokens.pop(request_id, None)
+
+    def _note(self, held: KVSummary) -> None:
+        if held.first_token is not None:
+            _remember(self._first_tokens, held.request_id, held.first_token)
 
     # -- HTTP --------------------------------------------------------------------------------
 
@@ -101,8 +141,10 @@ class RemoteExecutor:
         timeout_s: float,
         unreachable: FailureKind,
         not_found: FailureKind | None = None,
+        refusal: bool = False,
     ) -> Any:
-        """One JSON call; worker errors become :class:`AttemptFailed` with their kind."""
+        """One JSON call; worker errors become :class:`AttemptFailed` with their kind
+        (with ``refusal``, a ``400`` becomes :class:`ConfigError`: the request was bad)."""
         if not worker.control_url:
             raise AttemptFailed(unreachable, f"{worker.worker_id} registered no control URL")
         url = f"{worker.control_url.rstrip('/')}{path}"
@@ -128,6 +170,10 @@ class RemoteExecutor:
             payload = None
         if status < 300:
             return payload
+        if refusal and status == 400:
+            error = payload.get("error") if isinstance(payload, dict) else None
+            detail = error.get("detail") if isinstance(error, dict) else text[:300]
+            raise ConfigError(f"{worker.worker_id} refused {path}: {detail}")
         raise _worker_error(worker, path, status, payload, text, not_found or unreachable)
 
     async def source_digest(self, source: WorkerInfo, request_id: int, layout: KVLayout) -> int:
@@ -146,10 +192,16 @@ class RemoteExecutor:
                 f"{source.worker_id} holds request {request_id} with another layout "
                 f"({held.layout.model_dump()})",
             )
+        if not held.complete:
+            raise AttemptFailed(
+                FailureKind.SOURCE_LOST, f"{source.worker_id}: request {request_id} is not whole"
+            )
+        self._note(held)
         return held.digest
 
     async def prefill(self, source: WorkerInfo, request_id: int, body: PrefillRequest) -> KVSummary:
-        """Ask a prefill worker to produce request ``request_id``'s KV (stand-in prefill)."""
+        """Ask a prefill worker to produce request ``request_id``'s KV with its engine (with
+        ``body.wait`` false the answer comes at once, while prefill runs)."""
         payload = await self._call(
             source,
             "POST",
@@ -157,8 +209,27 @@ class RemoteExecutor:
             body.model_dump_json(),
             max(self.call_timeout_s, 60.0),
             FailureKind.SOURCE_LOST,
+            refusal=True,
         )
-        return KVSummary.model_validate(payload)
+        held = KVSummary.model_validate(payload)
+        self._note(held)
+        return held
+
+    async def decode(
+        self, worker: WorkerInfo, request_id: int, first_token: int | None, max_new_tokens: int
+    ) -> DecodeResult:
+        """Have ``worker`` generate ``max_new_tokens`` tokens from the KV it holds."""
+        body = DecodeRequest(max_new_tokens=max_new_tokens, first_token=first_token)
+        payload = await self._call(
+            worker,
+            "POST",
+            f"/v1/kv/{request_id}/decode",
+            body.model_dump_json(),
+            max(self.call_timeout_s, 120.0),
+            FailureKind.DESTINATION_DIED,
+            refusal=True,
+        )
+        return DecodeResult.model_validate(payload)
 
     async def held_digest(self, worker: WorkerInfo, request_id: int) -> int:
         """Digest of the KV ``worker`` holds for ``request_id`` (computed from its bytes)."""
@@ -171,7 +242,10 @@ class RemoteExecutor:
             FailureKind.DESTINATION_DIED,
             not_found=FailureKind.TRANSPORT,
         )
-        return KVSummary.model_validate(payload).digest
+        held = KVSummary.model_validate(payload)
+        if not held.complete:
+            raise AttemptFailed(FailureKind.TRANSPORT, f"{worker.worker_id}: KV not whole")
+        return held.digest
 
     async def probe(self, worker: WorkerInfo) -> bool:
         try:
@@ -274,6 +348,13 @@ class RemoteExecutor:
                 FailureKind.INTERNAL,
             )
         await self._drop(plan.destination, plan.request_id)
+
+
+def _remember(table: OrderedDict[int, Any], request_id: int, value: Any) -> None:
+    table[request_id] = value
+    table.move_to_end(request_id)
+    while len(table) > _REMEMBERED:
+        table.popitem(last=False)
 
 
 def _worker_error(

@@ -1,21 +1,29 @@
 """A worker process: registers, serves transfer endpoints, holds KV buffers, obeys a control API.
 
-One worker is one (simulated) GPU slot in the prefill or the decode pool. It
+One worker is one GPU slot in the prefill or the decode pool. It
 
-* listens on a TCP sink and a shared-memory sink (the transfer endpoints);
-* holds KV caches: a prefill worker produces them on request (:func:`synthetic_kv`, a
-  deterministic stand-in for a model's prefill output); a decode worker receives them;
+* hosts an engine (:mod:`topkv.service.engines`): the synthetic stand-in, or a transformers
+  model whose prefill publishes each layer's K/V as the layer finishes and whose decode
+  continues from received K/V;
+* offers every medium its host has (:mod:`topkv.service.worker_media`: tcp, shm, and nixl,
+  mooncake, cuda when installed) and lists them in its registration; the tcp and shm sinks
+  listen from the start, an engine medium's sink from its first receive;
+* holds KV caches (:mod:`topkv.service.kvstore`): a prefill worker's from the moment its
+  prefill starts (a send streams each layer as it is published), a decode worker's as they
+  arrive verified;
 * registers itself, with a heartbeat, in an etcd registry directly or through the
   orchestrator's HTTP API (when the orchestrator keeps an embedded registry);
 * answers a small control API (see ``docs/services.md``) through which the orchestrator's
   :class:`~topkv.service.remote_executor.RemoteExecutor` drives each transfer attempt:
   ``POST /v1/receive`` on the destination, ``POST /v1/send`` on the source,
-  ``POST /v1/kv/{id}/wait`` on the destination, ``DELETE /v1/kv/{id}`` on either side.
+  ``POST /v1/kv/{id}/wait`` on the destination, ``DELETE /v1/kv/{id}`` on either side;
+  ``POST /v1/kv/{id}/prefill`` and ``POST /v1/kv/{id}/decode`` run the engine.
 
-Fault injection (for ``topkv chaos``; off unless ``$TOPKV_FAULTS`` or
-:attr:`WorkerConfig.faults` asks): :class:`WorkerFaults` can flip one bit in the frames of a
-fraction of this worker's outgoing transfers *after* their CRC-64 was taken (the receiver
-must catch it), and pace every send to a slow link.
+The same class runs in-process (tests) and as ``topkv worker``. Fault injection (for
+``topkv chaos``; off unless ``$TOPKV_FAULTS`` or :attr:`WorkerConfig.faults` asks):
+:class:`WorkerFaults` can flip one bit in the frames of a fraction of this worker's outgoing
+transfers *after* their CRC-64 was taken (the receiver must catch it), and pace every send to
+a slow link.
 """
 
 from __future__ import annotations
@@ -24,20 +32,24 @@ import asyncio
 import contextlib
 import logging
 import os
-import socket
 import threading
 import time
 import zlib
-from concurrent.futures import Future
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from topkv.errors import ConfigError
 from topkv.relay.executor import classify_failure
-from topkv.relay.workers import Role, WorkerCapabilities, WorkerInfo
+from topkv.relay.workers import WorkerInfo
+from topkv.service.engines import (
+    EngineRequestError,
+    PrefillPlan,
+    WorkerEngine,
+    build_engine,
+)
 from topkv.service.errors import ServiceError
 from topkv.service.httputil import (
     error_response,
@@ -52,11 +64,13 @@ from topkv.service.kvstore import (
     CapacityExceeded,
     HeldKV,
     KVStore,
+    PrefillFailed,
     UnknownKV,
     received_kv,
-    synthetic_kv,
 )
 from topkv.service.messages import (
+    DecodeRequest,
+    DecodeResult,
     KVSummary,
     LayoutModel,
     PrefillRequest,
@@ -68,10 +82,17 @@ from topkv.service.messages import (
     WaitRequest,
 )
 from topkv.service.registrar import Registrar, open_registrar
+from topkv.service.worker_config import FAULTS_ENV, SECRET_ENV, WorkerConfig, WorkerFaults
+from topkv.service.worker_inbox import Inbox
+from topkv.service.worker_media import (
+    MediaOffer,
+    register_engine_media,
+    resolve_media,
+    sink_medium,
+)
 from topkv.transport import registry as transports
 from topkv.transport.base import (
     OutgoingTransfer,
-    ReceivedKV,
     TransferDescriptor,
     TransferSink,
     TransferSource,
@@ -83,137 +104,22 @@ from topkv.transport.faults import CorruptingSource
 from topkv.transport.shm import ShmSink
 from topkv.transport.tcp import TcpSink
 
+__all__ = ["FAULTS_ENV", "SECRET_ENV", "WorkerConfig", "WorkerFaults", "WorkerService"]
+
 log = logging.getLogger(__name__)
 
-SECRET_ENV = "TOPKV_SECRET"
-FAULTS_ENV = "TOPKV_FAULTS"
+T = TypeVar("T")
+
+#: Longest a ``GET /v1/kv/{id}`` waits for a prefill still running before answering 504.
+SUMMARY_WAIT_S = 60.0
 
 
-@dataclass(frozen=True)
-class WorkerFaults:
-    """Faults a worker injects into its own sends (``topkv chaos``); all off by default.
-
-    ``corrupt_rate``: fraction of outgoing transfers that get one bit flipped in one frame
-    after the frame's CRC-64 was computed, so the frame leaves with its original CRC.
-    ``seed``: seeds which transfers, frames and bits. ``slow_gbps``: pace every send of this
-    worker to a link of that many GB/s (a slowed link). Written as
-    ``corrupt_rate=0.05,seed=3,slow_gbps=1.0`` in ``$TOPKV_FAULTS``.
-    """
-
-    corrupt_rate: float = 0.0
-    seed: int = 0
-    slow_gbps: float | None = None
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.corrupt_rate <= 1.0:
-            raise ConfigError(f"fault corrupt_rate must be in [0, 1], got {self.corrupt_rate}")
-        if self.slow_gbps is not None and not self.slow_gbps > 0:
-            raise ConfigError(f"fault slow_gbps must be > 0, got {self.slow_gbps}")
-
-    @property
-    def active(self) -> bool:
-        return self.corrupt_rate > 0 or self.slow_gbps is not None
-
-    def to_text(self) -> str:
-        parts = [f"corrupt_rate={self.corrupt_rate!r}", f"seed={self.seed}"]
-        if self.slow_gbps is not None:
-            parts.append(f"slow_gbps={self.slow_gbps!r}")
-        return ",".join(parts)
-
-    @classmethod
-    def parse(cls, text: str) -> WorkerFaults:
-        """Read ``key=value,...`` (keys: corrupt_rate, seed, slow_gbps); empty means none."""
-        values: dict[str, str] = {}
-        for item in filter(None, (part.strip() for part in text.split(","))):
-            key, sep, value = item.partition("=")
-            if not sep or key not in ("corrupt_rate", "seed", "slow_gbps"):
-                raise ConfigError(
-                    f"{FAULTS_ENV}: {item!r} is not one of corrupt_rate=P, seed=N, slow_gbps=X"
-                )
-            values[key] = value.strip()
-        try:
-            return cls(
-                corrupt_rate=float(values.get("corrupt_rate", "0")),
-                seed=int(values.get("seed", "0")),
-                slow_gbps=float(values["slow_gbps"]) if "slow_gbps" in values else None,
-            )
-        except ValueError as exc:
-            raise ConfigError(f"{FAULTS_ENV}={text!r}: {exc}") from None
-
-    @classmethod
-    def from_env(cls) -> WorkerFaults:
-        return cls.parse(os.environ.get(FAULTS_ENV, ""))
-
-
-@dataclass(frozen=True)
-class WorkerConfig:
-    """Everything a worker process needs to start."""
-
-    role: Role
-    node: str
-    secret: bytes
-    gpus: tuple[int, ...] = (0,)
-    worker_id: str = ""
-    host_id: str = ""
-    orchestrator_url: str = ""
-    registry_url: str = ""
-    bind_host: str = "127.0.0.1"
-    advertise_host: str = ""
-    control_port: int = 0
-    capacity: int = 8
-    ttl_s: float = 10.0
-    nvlink_domain: str | None = None
-    capabilities: WorkerCapabilities = field(default_factory=WorkerCapabilities)
-    ready_file: Path | None = None
-    faults: WorkerFaults = field(default_factory=WorkerFaults.from_env)
-
-    def resolved_worker_id(self) -> str:
-        gpus = "-".join(str(g) for g in self.gpus) or "cpu"
-        return self.worker_id or f"{self.role}-{self.node}-gpu{gpus}"
-
-    def resolved_host_id(self) -> str:
-        return self.host_id or socket.gethostname()
-
-    def resolved_advertise_host(self) -> str:
-        if self.advertise_host:
-            return self.advertise_host
-        if self.bind_host in ("0.0.0.0", "::", ""):
-            return socket.gethostname()
-        return self.bind_host
-
-
-@dataclass
-class _Pending:
-    """A receive the orchestrator announced; its future resolves when the bytes arrived."""
-
-    request_id: int
-    model_id: str
-    descriptor: TransferDescriptor
-    medium: str
-    sink_kind: str
-    future: Future[ReceivedKV]
-    abandoned: bool = False
-    claimed: bool = False
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-
-def _release_if_abandoned(pending: _Pending, future: Future[ReceivedKV]) -> None:
-    with pending.lock:
-        if not pending.abandoned or pending.claimed:
-            return
-    if future.cancelled() or future.exception() is not None:
-        return
-    future.result().release()
-
-
-def _sink_kind(medium: str) -> str:
-    """``shm`` or ``tcp``: which of this worker's sinks a medium's bytes arrive at."""
-    info = transports.get(medium)
-    return "shm" if info.make_sink is ShmSink else "tcp"
+def _wildcard(host: str) -> bool:
+    return host in ("0.0.0.0", "::", "")
 
 
 class WorkerService:
-    """A running worker: sinks, KV store, control API and registration."""
+    """A running worker: engine, sinks, KV store, control API and registration."""
 
     def __init__(self, config: WorkerConfig) -> None:
         if not config.secret:
@@ -225,35 +131,57 @@ class WorkerService:
             raise ServiceError("give the worker --orchestrator URL or --registry etcd://HOST:PORT")
         self.config = config
         self.worker_id = config.resolved_worker_id()
+        self.offer: MediaOffer = resolve_media(config.media, shm=config.capabilities.shm)
         self.store = KVStore(config.capacity)
+        self.engine: WorkerEngine | None = None
+        self._compute: ThreadPoolExecutor | None = None
         self._sinks: dict[str, TransferSink] = {}
+        self._sinks_lock = asyncio.Lock()
         self._sources: dict[str, TransferSource] = {}
         self._sources_lock = threading.Lock()
-        self._inbox: dict[int, _Pending] = {}
-        self._abandoned: dict[tuple[str, int], _Pending] = {}
+        self._inbox = Inbox()
         self._outgoing: dict[int, OutgoingTransfer] = {}
+        self._prefills: set[asyncio.Future[None]] = set()
         self._runner: web.AppRunner | None = None
         self._registrar: Registrar | None = None
         self._heartbeat_task: asyncio.Task[None] | None = None
+        self._advertise = config.resolved_advertise_host()
+        self._tcp_address = ""
         self.info: WorkerInfo | None = None
-        self.counters = {"prefilled": 0, "sent": 0, "received": 0, "send_failures": 0}
+        self.counters = {
+            "prefilled": 0,
+            "sent": 0,
+            "received": 0,
+            "send_failures": 0,
+            "decoded": 0,
+        }
         self._corrupters: list[CorruptingSource] = []
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> WorkerInfo:
         cfg = self.config
-        advertise = cfg.resolved_advertise_host()
-        tcp_sink = TcpSink(cfg.secret, host=cfg.bind_host, port=0)
-        self._sinks["tcp"] = tcp_sink
-        if cfg.capabilities.shm:
+        advertise = self._advertise
+        self.engine = await asyncio.to_thread(build_engine, cfg.engine)
+        if self.engine.serial:
+            self._compute = ThreadPoolExecutor(1, thread_name_prefix=f"engine-{self.worker_id}")
+        media = self.offer.media
+        register_engine_media(media, advertise if _wildcard(cfg.bind_host) else cfg.bind_host)
+        tcp_port = ""
+        if "tcp" in media:
+            tcp_sink = TcpSink(cfg.secret, host=cfg.bind_host, port=0)
+            self._sinks["tcp"] = tcp_sink
+            tcp_port = tcp_sink.address.rsplit(":", 1)[1]
+            self._tcp_address = f"tcp://{format_host(advertise)}:{tcp_port}"
+        if "shm" in media:
             self._sinks["shm"] = ShmSink(cfg.secret)
-        tcp_port = tcp_sink.address.rsplit(":", 1)[1]
-        self._tcp_address = f"tcp://{format_host(advertise)}:{tcp_port}"
         self._runner = web.AppRunner(self.app(), access_log=None, handle_signals=False)
         await self._runner.setup()
         await web.TCPSite(self._runner, cfg.bind_host, cfg.control_port).start()
         control_url = site_url(self._runner, advertise)
+        capabilities = cfg.capabilities.model_copy(
+            update={"tcp": "tcp" in media, "shm": "shm" in media, "media": media}
+        )
         self.info = WorkerInfo(
             worker_id=self.worker_id,
             role=cfg.role,
@@ -261,9 +189,9 @@ class WorkerService:
             host_id=cfg.resolved_host_id(),
             gpus=cfg.gpus,
             nvlink_domain=cfg.nvlink_domain,
-            capabilities=cfg.capabilities,
+            capabilities=capabilities,
             capacity=cfg.capacity,
-            address=f"{format_host(advertise)}:{tcp_port}",
+            address=f"{format_host(advertise)}:{tcp_port}" if tcp_port else "",
             control_url=control_url,
         )
         self._registrar = open_registrar(cfg.orchestrator_url, cfg.registry_url)
@@ -280,9 +208,11 @@ class WorkerService:
                     "tcp": self._tcp_address,
                     "shm": self._sinks["shm"].address if "shm" in self._sinks else "",
                     "host_id": self.info.host_id,
+                    "media": list(media),
+                    "engine": self.engine.describe(),
                 },
             )
-        log.info("worker %s up: control %s, tcp %s", self.worker_id, control_url, tcp_sink.address)
+        log.info("worker %s up: control %s, media %s", self.worker_id, control_url, media)
         return self.info
 
     async def stop(self) -> None:
@@ -298,15 +228,20 @@ class WorkerService:
             await self._runner.cleanup()
         for out in list(self._outgoing.values()):
             out.cancel()
-        for pending in list(self._inbox.values()):
-            self._abandon(pending)
+        self._inbox.drop_all()
         for sink in self._sinks.values():
             sink.close()
         with self._sources_lock:
             sources = list(self._sources.values())
         for source in sources:
             source.close()
-        self.store.clear()
+        self.store.clear()  # fails running prefills: their next layer stops them
+        if self._prefills:
+            await asyncio.wait(set(self._prefills), timeout=30.0)
+        if self._compute is not None:
+            self._compute.shutdown(wait=False, cancel_futures=True)
+        if self.engine is not None:
+            self.engine.close()
 
     async def _heartbeat_loop(self) -> None:
         assert self._registrar is not None and self.info is not None
@@ -320,6 +255,12 @@ class WorkerService:
                 with contextlib.suppress(ServiceError):
                     await self._registrar.register(self.info, self.config.ttl_s)
 
+    def _run_engine(self, fn: Callable[[], T]) -> Awaitable[T]:
+        """Run engine work off the loop: a model's on its own thread, one at a time."""
+        if self._compute is not None:
+            return asyncio.get_running_loop().run_in_executor(self._compute, fn)
+        return asyncio.to_thread(fn)
+
     # -- control API -------------------------------------------------------------------------
 
     def app(self) -> web.Application:
@@ -330,6 +271,7 @@ class WorkerService:
         app.router.add_get("/v1/kv/{request_id}", self._get_kv)
         app.router.add_delete("/v1/kv/{request_id}", self._delete_kv)
         app.router.add_post("/v1/kv/{request_id}/prefill", self._prefill)
+        app.router.add_post("/v1/kv/{request_id}/decode", self._decode)
         app.router.add_post("/v1/kv/{request_id}/wait", self._wait)
         app.router.add_post("/v1/kv/{request_id}/cancel", self._cancel_send)
         app.router.add_post("/v1/receive", self._receive)
@@ -340,7 +282,7 @@ class WorkerService:
         return web.json_response({"ok": True, "worker_id": self.worker_id})
 
     async def _info(self, request: web.Request) -> web.Response:
-        assert self.info is not None
+        assert self.info is not None and self.engine is not None
         body: dict[str, object] = {
             "worker": self.info.model_dump(mode="json"),
             "held": len(self.store),
@@ -348,6 +290,9 @@ class WorkerService:
             "sending": len(self._outgoing),
             "counters": dict(self.counters),
             "sinks": {kind: sink.address for kind, sink in self._sinks.items()},
+            "media": list(self.offer.media),
+            "media_unavailable": dict(self.offer.unavailable),
+            "engine": self.engine.describe(),
         }
         faults = self.config.faults
         if faults.active:
@@ -363,18 +308,69 @@ class WorkerService:
         return web.json_response([_summary(kv).model_dump() for kv in self.store.all()])
 
     async def _get_kv(self, request: web.Request) -> web.Response:
+        """The summary of a held KV; one still being produced is answered once it is whole."""
         kv = self.store.get(int_param(request, "request_id"))
+        await _ended(kv, SUMMARY_WAIT_S)
+        kv.check_whole()
         return model_response(_summary(kv))
 
     async def _prefill(self, request: web.Request) -> web.Response:
         request_id = int_param(request, "request_id")
         body = await read_model(request, PrefillRequest)
+        assert self.engine is not None
+        plan = self.engine.plan(request_id, body)
         self.store.reserve_check(request_id)
-        layout = body.layout.to_layout()
-        kv = await asyncio.to_thread(synthetic_kv, request_id, body.model_id, layout)
+        kv = HeldKV.producing(request_id, plan.model_id, plan.layout)
         self.store.put(kv)
-        self.counters["prefilled"] += 1
+        task = asyncio.ensure_future(self._run_prefill(kv, plan))
+        self._prefills.add(task)
+        task.add_done_callback(self._prefills.discard)
+        if not body.wait:
+            return model_response(_summary(kv), status=202)
+        await _ended(kv, None)
+        kv.check_whole()
         return model_response(_summary(kv), status=201)
+
+    async def _run_prefill(self, kv: HeldKV, plan: PrefillPlan) -> None:
+        engine = self.engine
+        assert engine is not None
+        try:
+            first_token = await self._run_engine(lambda: engine.prefill(plan, kv.publish))
+        except Exception as exc:  # reported to every waiter through the KV
+            if kv.error is None:
+                log.warning("prefill of request %s failed: %s", kv.request_id, exc)
+            kv.fail(f"prefill failed: {type(exc).__name__}: {exc}")
+            return
+        kv.finish(first_token)
+        if kv.complete:
+            self.counters["prefilled"] += 1
+
+    async def _decode(self, request: web.Request) -> web.Response:
+        request_id = int_param(request, "request_id")
+        body = await read_model(request, DecodeRequest)
+        engine = self.engine
+        assert engine is not None
+        kv = self.store.get(request_id)
+        await _ended(kv, SUMMARY_WAIT_S)
+        kv.check_whole()
+        first_token = body.first_token if body.first_token is not None else kv.first_token
+        if first_token is None:
+            raise EngineRequestError(
+                f"request {request_id}: give 'first_token' (prefill's token); this worker "
+                "did not run the prefill"
+            )
+        started = time.perf_counter()
+        tokens = await self._run_engine(lambda: engine.decode(kv, first_token, body.max_new_tokens))
+        self.counters["decoded"] += 1
+        return model_response(
+            DecodeResult(
+                request_id=request_id,
+                model_id=kv.model_id,
+                prompt_len=kv.layout.seq_len,
+                tokens=tokens,
+                seconds=time.perf_counter() - started,
+            )
+        )
 
     async def _delete_kv(self, request: web.Request) -> web.Response:
         request_id = int_param(request, "request_id")
@@ -383,9 +379,7 @@ class WorkerService:
         if out is not None:
             out.cancel()
             released = True
-        pending = self._inbox.pop(request_id, None)
-        if pending is not None:
-            self._abandon(pending)
+        if self._inbox.drop(request_id):
             released = True
         held = self.store.pop(request_id)
         if held is not None:
@@ -393,64 +387,56 @@ class WorkerService:
             released = True
         return model_response(Released(request_id=request_id, released=released))
 
-    def _abandon(self, pending: _Pending) -> None:
-        with pending.lock:
-            pending.abandoned = True
-        if not pending.future.done():
-            self._abandoned[(pending.sink_kind, pending.request_id)] = pending
-        pending.future.add_done_callback(lambda f: self._abandoned_done(pending, f))
+    async def _sink(self, kind: str) -> TransferSink | None:
+        """This worker's sink of ``kind``; an engine medium's is made on first use."""
+        sink = self._sinks.get(kind)
+        if sink is not None or kind not in self.offer.media:
+            return sink
+        async with self._sinks_lock:
+            sink = self._sinks.get(kind)
+            if sink is None:
+                make = transports.get(kind).make_sink
+                sink = await asyncio.to_thread(make, self.config.secret)
+                self._sinks[kind] = sink
+        return sink
 
-    def _abandoned_done(self, pending: _Pending, future: Future[ReceivedKV]) -> None:
-        key = (pending.sink_kind, pending.request_id)
-        if self._abandoned.get(key) is pending:
-            with contextlib.suppress(KeyError):
-                del self._abandoned[key]
-        _release_if_abandoned(pending, future)
+    def _sink_address(self, kind: str, sink: TransferSink) -> str:
+        """Where peers reach ``sink``: a wildcard listening address becomes the advertised."""
+        if kind == "tcp":
+            return self._tcp_address
+        address = sink.address
+        scheme, sep, rest = address.partition("://")
+        if sep and not rest.startswith("/") and _wildcard(self.config.bind_host):
+            port = rest.rsplit(":", 1)[1]
+            return f"{scheme}://{format_host(self._advertise)}:{port}"
+        return address
 
     async def _receive(self, request: web.Request) -> web.Response:
         body = await read_model(request, ReceiveRequest)
         try:
-            kind = _sink_kind(body.medium)
+            kind = sink_medium(body.medium)
         except TransportError as exc:
             return error_response(400, "transport", str(exc), type(exc).__name__)
-        sink = self._sinks.get(kind)
+        sink = await self._sink(kind)
         if sink is None:
             return error_response(
-                400, "transport", f"worker {self.worker_id} has no {kind} sink", "TransportError"
+                400,
+                "transport",
+                f"worker {self.worker_id} has no {kind} sink (it offers "
+                f"{', '.join(self.offer.media)})",
+                "TransportError",
             )
         self.store.reserve_check(body.request_id)
-        previous = self._inbox.pop(body.request_id, None)
-        if previous is not None:
-            self._abandon(previous)
-        future = self._claim(sink, kind, body.request_id)
         descriptor = TransferDescriptor(body.request_id, body.model_id, body.layout.to_layout())
-        pending = _Pending(body.request_id, body.model_id, descriptor, body.medium, kind, future)
-        self._inbox[body.request_id] = pending
-        address = self._tcp_address if kind == "tcp" else sink.address
+        self._inbox.expect(sink, kind, descriptor, body.medium)
+        address = self._sink_address(kind, sink)
         ready = ReceiveReady(request_id=body.request_id, medium=body.medium, address=address)
         return model_response(ready)
-
-    def _claim(self, sink: TransferSink, kind: str, request_id: int) -> Future[ReceivedKV]:
-        """A fresh receive future for ``request_id``, reclaiming an abandoned pending one."""
-        for _ in range(3):
-            future = sink.receive(request_id)
-            old = self._abandoned.pop((kind, request_id), None)
-            if old is not None and old.future is future:
-                with old.lock:
-                    old.abandoned = False
-            if not future.done():
-                return future
-            if not future.cancelled() and future.exception() is None:
-                kv = future.result()
-                if kv.layers:
-                    return future
-            # A failed or already-released leftover of an earlier attempt: ask again.
-        return sink.receive(request_id)
 
     async def _wait(self, request: web.Request) -> web.Response:
         request_id = int_param(request, "request_id")
         body = await read_model(request, WaitRequest)
-        pending = self._inbox.get(request_id)
+        pending = self._inbox.pending.get(request_id)
         if pending is None:
             held = self.store.get(request_id)  # raises UnknownKV
             if held.origin == "received":
@@ -463,12 +449,8 @@ class WorkerService:
                 f"request {request_id}: nothing verified arrived within {body.timeout_s} s"
             )
         received = wrapped.result()  # raises the transport's error, if any
-        with pending.lock:
-            if pending.abandoned:
-                raise UnknownKV(f"the receive of request {request_id} was discarded")
-            pending.claimed = True
-        if self._inbox.get(request_id) is pending:
-            del self._inbox[request_id]
+        if not self._inbox.take(pending):
+            raise UnknownKV(f"the receive of request {request_id} was discarded")
         kv = await asyncio.to_thread(
             received_kv,
             request_id,
@@ -489,13 +471,17 @@ class WorkerService:
     async def _send(self, request: web.Request) -> web.Response:
         body = await read_model(request, SendRequest)
         kv = self.store.get(body.request_id)
+        if kv.error is not None:
+            kv.check_whole()  # raises PrefillFailed: the source lost this KV
         source = self._source(body.medium)
         descriptor = TransferDescriptor(kv.request_id, kv.model_id, kv.layout)
         started = time.perf_counter()
         out = await asyncio.to_thread(source.open, descriptor, body.destination)
         self._outgoing[body.request_id] = out
         try:
-            if self.config.faults.slow_gbps is not None:
+            if not kv.complete:
+                await _stream_layers(out, kv, body.timeout_s)
+            elif self.config.faults.slow_gbps is not None:
                 # A paced send blocks until each layer's departure time: not on the loop.
                 await asyncio.to_thread(_send_layers, out, kv)
             else:
@@ -510,6 +496,7 @@ class WorkerService:
             result = wrapped.result()
         except BaseException:
             self.counters["send_failures"] += 1
+            out.cancel()
             raise
         finally:
             if self._outgoing.get(body.request_id) is out:
@@ -537,6 +524,12 @@ class WorkerService:
         return model_response(Released(request_id=request_id, released=out is not None))
 
     def _source(self, medium: str) -> TransferSource:
+        carrier = sink_medium(medium)
+        if carrier not in self.offer.media:
+            raise TransportError(
+                f"worker {self.worker_id} does not offer {carrier} (it offers "
+                f"{', '.join(self.offer.media)})"
+            )
         with self._sources_lock:
             source = self._sources.get(medium)
             if source is None:
@@ -558,6 +551,53 @@ class WorkerService:
         return source
 
 
+async def _ended(kv: HeldKV, timeout_s: float | None) -> None:
+    """Wait (on the loop) until ``kv`` is whole or failed; TransferTimeout after ``timeout_s``."""
+    if kv.ended:
+        return
+    loop = asyncio.get_running_loop()
+    ended: asyncio.Future[None] = loop.create_future()
+
+    def wake() -> None:
+        loop.call_soon_threadsafe(_resolve, ended)
+
+    kv.when_ended(wake)
+    try:
+        await asyncio.wait_for(ended, timeout_s)
+    except TimeoutError:
+        raise TransferTimeout(
+            f"request {kv.request_id}: prefill did not finish within {timeout_s} s"
+        ) from None
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+async def _stream_layers(out: OutgoingTransfer, kv: HeldKV, timeout_s: float) -> None:
+    """Send the layers published so far, then each new one the moment prefill publishes it
+    (from the engine's thread); returns once the last one was queued."""
+    errors: list[BaseException] = []
+
+    def offer(index: int, tensors: tuple[memoryview, ...], crcs: tuple[int, ...]) -> None:
+        if errors:
+            return
+        try:
+            out.send_layer(index, tensors, crcs)
+        except Exception as exc:  # raised below, on the loop
+            errors.append(exc)
+
+    unsubscribe = kv.subscribe(offer)
+    try:
+        await _ended(kv, timeout_s)
+    finally:
+        unsubscribe()
+    if errors:
+        raise errors[0]
+    kv.check_whole()
+
+
 def _send_layers(out: OutgoingTransfer, kv: HeldKV) -> None:
     for layer, (tensors, crcs) in enumerate(zip(kv.layers, kv.crcs, strict=True)):
         out.send_layer(layer, tensors, crcs)
@@ -569,9 +609,11 @@ def _summary(kv: HeldKV) -> KVSummary:
         model_id=kv.model_id,
         layout=LayoutModel.of(kv.layout),
         size_bytes=kv.layout.total_bytes,
-        digest=kv.digest,
+        digest=kv.digest if kv.complete else 0,
         origin="prefill" if kv.origin == "prefill" else "received",
         medium=kv.medium,
+        complete=kv.complete,
+        first_token=kv.first_token,
     )
 
 
@@ -586,6 +628,10 @@ async def _error_middleware(request: web.Request, handler: Handler) -> web.Strea
         return error_response(404, "not_found", str(exc), type(exc).__name__)
     except CapacityExceeded as exc:
         return error_response(409, "capacity", str(exc), type(exc).__name__)
+    except EngineRequestError as exc:
+        return error_response(400, "bad_request", str(exc), type(exc).__name__)
+    except PrefillFailed as exc:
+        return error_response(502, "source_lost", str(exc), type(exc).__name__)
     except TransportError as exc:
         kind = classify_failure(exc)
         status = 504 if isinstance(exc, TransferTimeout) else 502

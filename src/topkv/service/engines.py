@@ -1,0 +1,301 @@
+"""What a worker computes: the engine behind ``topkv worker --engine synthetic|hf``.
+
+A worker holds KV caches and moves them; its *engine* produces a prefill's KV layer by layer
+and, on a decode worker, continues generation from KV that arrived.
+
+* :class:`SyntheticEngine` (``--engine synthetic``, the default): deterministic pseudo-random
+  bytes seeded by request id and model id (:func:`~topkv.service.kvstore.synthetic_layers`),
+  any layout; it cannot decode. It never imports torch.
+* :class:`HfEngine` (``--engine hf --model-path DIR | --demo-model SEED``): a Hugging Face
+  transformers model through :mod:`topkv.engine` (torch is imported only here, when the
+  engine is built). One forward pass per prefill; its per-layer hook publishes each layer's
+  K and V the moment the layer returns, so a send streams layer *i* while later layers
+  compute; decode rebuilds the model's cache from received K/V and continues greedily.
+
+:class:`WorkerEngine` is what :class:`~topkv.service.worker.WorkerService` calls:
+
+* ``plan(request_id, body)`` checks a prefill request and says what KV it will produce
+  (cheap, on the event loop; :class:`EngineRequestError` for a request this engine cannot
+  serve);
+* ``prefill(plan, publish)`` runs it (blocking, on a worker thread), calling
+  ``publish(layer, tensors, crcs)`` once per layer, in order; returns prefill's first token
+  (None for the synthetic engine);
+* ``decode(kv, first_token, max_new_tokens)`` generates tokens from a held KV (blocking).
+
+``serial`` engines (a model) run one prefill or decode at a time on their own thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+import numpy as np
+
+from topkv.errors import ConfigError
+from topkv.service.errors import ServiceError
+from topkv.service.kvstore import HeldKV, synthetic_layers
+from topkv.service.messages import PrefillRequest
+from topkv.transport.base import KVLayout, LayerTensors
+from topkv.wire import crc64
+
+if TYPE_CHECKING:
+    from topkv.engine import DemoModelConfig
+
+#: ``publish(layer_index, tensors, crcs)``: one finished layer.
+Publish = Callable[[int, LayerTensors, tuple[int, ...]], None]
+
+EngineKind = Literal["synthetic", "hf"]
+
+#: numpy dtype of a model's KV -> the wire's dtype name.
+WIRE_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+
+
+class EngineRequestError(ServiceError):
+    """This worker's engine cannot serve the request as asked (answered as 400)."""
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    """What one prefill will produce: the KV's model id and layout, and the prompt."""
+
+    request_id: int
+    model_id: str
+    layout: KVLayout
+    prompt: tuple[int, ...] = ()
+
+
+class WorkerEngine(Protocol):
+    name: EngineKind
+    serial: bool
+
+    def describe(self) -> dict[str, object]: ...
+
+    def plan(self, request_id: int, body: PrefillRequest) -> PrefillPlan: ...
+
+    def prefill(self, plan: PrefillPlan, publish: Publish) -> int | None: ...
+
+    def decode(self, kv: HeldKV, first_token: int, max_new_tokens: int) -> list[int]: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Which engine a worker hosts (``topkv worker --engine ...``).
+
+    ``hf`` needs exactly one of ``model_path`` (a local Hugging Face directory) or
+    ``demo_seed`` (the seeded demo model, :func:`topkv.engine.build_demo_model`, shaped by
+    ``demo_config``, default :class:`~topkv.engine.DemoModelConfig`). ``torch_threads``:
+    torch's intra-op threads (0 leaves torch's default; workers sharing cores want 1).
+    """
+
+    kind: EngineKind = "synthetic"
+    model_path: Path | None = None
+    demo_seed: int | None = None
+    demo_config: DemoModelConfig | None = None
+    torch_threads: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("synthetic", "hf"):
+            raise ConfigError(f"--engine must be synthetic or hf, not {self.kind!r}")
+        model_given = self.model_path is not None or self.demo_seed is not None
+        if self.kind == "synthetic" and model_given:
+            raise ConfigError("--model-path and --demo-model need --engine hf")
+        if self.kind == "hf" and (self.model_path is None) == (self.demo_seed is None):
+            raise ConfigError(
+                "--engine hf needs exactly one of --model-path DIR or --demo-model SEED"
+            )
+        if self.torch_threads < 0:
+            raise ConfigError(f"--torch-threads must be >= 0, got {self.torch_threads}")
+
+    def cli_args(self) -> list[str]:
+        """The ``topkv worker`` flags that select this engine."""
+        args = ["--engine", self.kind]
+        if self.model_path is not None:
+            args += ["--model-path", str(self.model_path)]
+        if self.demo_seed is not None:
+            args += ["--demo-model", str(self.demo_seed)]
+        if self.torch_threads:
+            args += ["--torch-threads", str(self.torch_threads)]
+        return args
+
+
+def build_engine(spec: EngineSpec) -> WorkerEngine:
+    """The engine ``spec`` names, ready to serve (loading a model takes seconds)."""
+    if spec.kind == "synthetic":
+        return SyntheticEngine()
+    return HfEngine.build(spec)
+
+
+class SyntheticEngine:
+    """Deterministic pseudo-random KV of any layout (a stand-in for a model's prefill)."""
+
+    name: EngineKind = "synthetic"
+    serial = False
+
+    def describe(self) -> dict[str, object]:
+        return {"engine": self.name, "model_id": None}
+
+    def plan(self, request_id: int, body: PrefillRequest) -> PrefillPlan:
+        if body.has_prompt or body.layout is None:
+            raise EngineRequestError(
+                "this worker runs the synthetic engine: give 'model_id' and 'layout' "
+                "(prompts need a worker started with --engine hf)"
+            )
+        return PrefillPlan(request_id, body.model_id, body.layout.to_layout())
+
+    def prefill(self, plan: PrefillPlan, publish: Publish) -> int | None:
+        for index, (tensors, crcs) in enumerate(
+            synthetic_layers(plan.request_id, plan.model_id, plan.layout)
+        ):
+            publish(index, tensors, crcs)
+        return None
+
+    def decode(self, kv: HeldKV, first_token: int, max_new_tokens: int) -> list[int]:
+        raise EngineRequestError(
+            "this worker runs the synthetic engine, which cannot decode; start it with "
+            "--engine hf --model-path DIR | --demo-model SEED"
+        )
+
+    def close(self) -> None:
+        return None
+
+
+def _bytes_of(array: np.ndarray) -> memoryview:
+    """A flat byte view of a C-contiguous array (no copy)."""
+    flat: Any = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+    return memoryview(flat)
+
+
+class HfEngine:
+    """A transformers model (demo or local directory) through :mod:`topkv.engine`."""
+
+    name: EngineKind = "hf"
+    serial = True
+
+    def __init__(self, loaded: Any, torch_threads: int = 0) -> None:
+        from topkv import engine
+
+        self.loaded = loaded
+        self.spec = engine.kv_model_spec(loaded)
+        if self.spec["dtype"] not in WIRE_DTYPES:
+            raise ConfigError(
+                f"model {self.spec['model_id']}: KV dtype {self.spec['dtype']} cannot go on "
+                f"the wire (supported: {', '.join(WIRE_DTYPES)})"
+            )
+        self.model_id = str(self.spec["model_id"])
+        self.vocab_size = int(loaded.config.vocab_size)
+        limit = getattr(loaded.config, "max_position_embeddings", None)
+        self.max_prompt = int(limit) if isinstance(limit, int) else None
+        self.torch_threads = torch_threads
+        self._prefill = engine.PrefillRunner(loaded)
+        self._decode = engine.DecodeRunner(loaded)
+        self._lock = threading.Lock()  # one forward pass at a time (hooks are per model)
+
+    @classmethod
+    def build(cls, spec: EngineSpec) -> HfEngine:
+        from topkv import engine  # raises EngineUnavailable (with the install hint) lazily
+
+        engine.require_model_extra()
+        if spec.torch_threads:
+            import torch
+
+            torch.set_num_threads(spec.torch_threads)
+        if spec.model_path is not None:
+            loaded = engine.load_model(spec.model_path)
+        else:
+            assert spec.demo_seed is not None
+            config = spec.demo_config if spec.demo_config is not None else engine.DemoModelConfig()
+            loaded = engine.build_demo_model(config, spec.demo_seed)
+        return cls(loaded, spec.torch_threads)
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "engine": self.name,
+            "model_id": self.model_id,
+            "source": self.loaded.source,
+            "layers": self.spec["layers"],
+            "kv_heads": self.spec["kv_heads"],
+            "head_dim": self.spec["head_dim"],
+            "dtype": WIRE_DTYPES[self.spec["dtype"]],
+            "vocab_size": self.vocab_size,
+        }
+
+    def layout(self, prompt_len: int) -> KVLayout:
+        return KVLayout(
+            num_layers=self.spec["layers"],
+            seq_len=prompt_len,
+            kv_heads=self.spec["kv_heads"],
+            head_dim=self.spec["head_dim"],
+            dtype=WIRE_DTYPES[self.spec["dtype"]],
+        )
+
+    def plan(self, request_id: int, body: PrefillRequest) -> PrefillPlan:
+        from topkv.engine import prompt_token_ids
+
+        if not body.has_prompt:
+            raise EngineRequestError(
+                f"this worker serves model {self.model_id}: give a prompt ('prompt' token "
+                "ids, or 'prompt_seed' with 'prompt_tokens'), not a layout"
+            )
+        if body.model_id and body.model_id != self.model_id:
+            raise EngineRequestError(
+                f"this worker serves model {self.model_id}, not {body.model_id!r}"
+            )
+        if body.prompt is not None:
+            ids = tuple(body.prompt)
+        else:
+            assert body.prompt_seed is not None and body.prompt_tokens is not None
+            ids = tuple(prompt_token_ids(body.prompt_tokens, body.prompt_seed, self.vocab_size))
+        low, high = min(ids), max(ids)
+        if low < 0 or high >= self.vocab_size:
+            raise EngineRequestError(
+                f"token ids must be in [0, {self.vocab_size}), got range [{low}, {high}]"
+            )
+        if self.max_prompt is not None and len(ids) > self.max_prompt:
+            raise EngineRequestError(
+                f"prompt has {len(ids)} tokens, the model's context is {self.max_prompt}"
+            )
+        return PrefillPlan(request_id, self.model_id, self.layout(len(ids)), ids)
+
+    def prefill(self, plan: PrefillPlan, publish: Publish) -> int | None:
+        from topkv.engine import layer_to_numpy
+
+        def on_layer(index: int, k: Any, v: Any) -> None:
+            k_np, v_np = layer_to_numpy(k, v)
+            tensors = (_bytes_of(k_np), _bytes_of(v_np))
+            publish(index, tensors, tuple(crc64(t) for t in tensors))
+
+        with self._lock:
+            result = self._prefill.run(list(plan.prompt), on_layer)
+        return int(result.first_token)
+
+    def decode(self, kv: HeldKV, first_token: int, max_new_tokens: int) -> list[int]:
+        from topkv.engine import arrays_from_bytes
+
+        expected = self.layout(kv.layout.seq_len)
+        if kv.model_id != self.model_id or kv.layout != expected:
+            raise EngineRequestError(
+                f"request {kv.request_id}: KV of {kv.model_id} {kv.layout} does not fit "
+                f"model {self.model_id} ({expected})"
+            )
+        if not 0 <= first_token < self.vocab_size:
+            raise EngineRequestError(
+                f"first_token must be in [0, {self.vocab_size}), got {first_token}"
+            )
+        with kv.use():
+            if len(kv.layers) != expected.num_layers:
+                raise EngineRequestError(f"request {kv.request_id}: its KV was released")
+            layers = [arrays_from_bytes(self.spec, expected.seq_len, *layer) for layer in kv.layers]
+            with self._lock:
+                tokens = self._decode.generate(
+                    layers, first_token, expected.seq_len, max_new_tokens
+                )
+        return [int(t) for t in tokens]
+
+    def close(self) -> None:
+        return None
