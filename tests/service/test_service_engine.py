@@ -71,7 +71,40 @@ class _SlowLayers:
         return self.inner.prefill(plan, slow)
 
 
-async def _run_inprocess(tmp: Path) -> tuple[list[dict[str, Any]], dict[int, list[int]], str]:
+async def _refusals(
+    http: aiohttp.ClientSession, url: str, workers: list[WorkerService]
+) -> dict[str, tuple[int, str]]:
+    """What the model-serving workers answer to requests they cannot serve."""
+    prefill = workers[0].info
+    decode = workers[1].info
+    assert prefill is not None and decode is not None
+    layout = {"num_layers": 6, "seq_len": 4, "kv_heads": 2, "head_dim": 16, "dtype": "fp32"}
+    asks = {
+        "layout to a model": (f"{url}/v1/requests", {"model": "m", "layout": layout}),
+        "another model": (
+            f"{url}/v1/requests",
+            {"model": "other-model", "prompt_seed": 1, "prompt_tokens": 4},
+        ),
+        "token out of vocab": (
+            f"{prefill.control_url}/v1/kv/77/prefill",
+            {"prompt": [SMALL.vocab_size]},
+        ),
+        "decode without first token": (
+            f"{decode.control_url}/v1/kv/1/decode",
+            {"max_new_tokens": 2},
+        ),
+    }
+    answers = {}
+    for what, (target, body) in asks.items():
+        async with http.post(target, json=body) as answer:
+            payload = await answer.json()
+            answers[what] = (answer.status, payload["error"]["detail"])
+    return answers
+
+
+async def _run_inprocess(
+    tmp: Path,
+) -> tuple[list[dict[str, Any]], dict[int, list[int]], str, dict[str, tuple[int, str]]]:
     stop = asyncio.Event()
     ready: asyncio.Future[str] = asyncio.get_running_loop().create_future()
     orchestrator = asyncio.create_task(
@@ -118,7 +151,8 @@ async def _run_inprocess(tmp: Path) -> tuple[list[dict[str, Any]], dict[int, lis
                         break
                     await asyncio.sleep(0.02)
                 records.append(record)
-        return records, slow.waiting_sends, slow.model_id
+            refusals = await _refusals(http, url, workers)
+        return records, slow.waiting_sends, slow.model_id, refusals
     finally:
         for worker in reversed(workers):
             await worker.stop()
@@ -127,7 +161,7 @@ async def _run_inprocess(tmp: Path) -> tuple[list[dict[str, Any]], dict[int, lis
 
 
 def test_inprocess_hf_workers_stream_prefill_and_decode_token_identical(tmp_path: Path) -> None:
-    records, waiting_sends, model_id = asyncio.run(_run_inprocess(tmp_path))
+    records, waiting_sends, model_id, refusals = asyncio.run(_run_inprocess(tmp_path))
     loaded = build_demo_model(SMALL, SEED)
     assert model_id == loaded.model_id
     for record, (length, prompt_seed) in zip(records, PROMPTS, strict=True):
@@ -142,6 +176,16 @@ def test_inprocess_hf_workers_stream_prefill_and_decode_token_identical(tmp_path
         # The send subscribed while prefill was running: the last layers went from the
         # forward-pass hook straight to the transport.
         assert waiting_sends[record["request_id"]][-1] >= 1, waiting_sends
+    assert refusals["layout to a model"][0] == 400
+    assert "give a prompt" in refusals["layout to a model"][1]
+    assert refusals["another model"][0] == 400 and model_id in refusals["another model"][1]
+    assert refusals["token out of vocab"] == (
+        400,
+        f"token ids must be in [0, {SMALL.vocab_size}), got range "
+        f"[{SMALL.vocab_size}, {SMALL.vocab_size}]",
+    )
+    # the delivered KV was freed by the decode stand-in: nothing to decode from
+    assert refusals["decode without first token"][0] == 404
 
 
 def test_cluster_up_hf_workers_decode_streamed_kv_token_identical(tmp_path: Path) -> None:

@@ -134,10 +134,12 @@ def test_media_parsing_and_the_default_offer() -> None:
         resolve_media(("tcp", "shm"), shm=False)
 
 
-def test_offering_every_medium_never_imports_torch() -> None:
+def test_a_synthetic_worker_offering_every_medium_never_imports_torch() -> None:
     code = (
-        "import sys; from topkv.service.worker_media import resolve_media, "
-        "register_engine_media; offer = resolve_media(None); "
+        "import sys; from topkv.service.worker import WorkerService; "
+        "from topkv.service.engines import EngineSpec, build_engine; "
+        "from topkv.service.worker_media import resolve_media, register_engine_media; "
+        "build_engine(EngineSpec()); offer = resolve_media(None); "
         "register_engine_media(offer.media, '127.0.0.1'); "
         "print('torch' in sys.modules, offer.media)"
     )
