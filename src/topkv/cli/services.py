@@ -209,7 +209,7 @@ def cluster_up_command(
     smoke_tokens: int = typer.Option(256, help="smoke KV: tokens"),
     json_output: bool = typer.Option(False, "--json", help="machine-readable output"),
     run_dir: Path | None = typer.Option(None, help="logs and ready files (default: temp dir)"),
-    media: str = typer.Option("", help="media every worker offers; " + MEDIA_HELP),
+    media: str = typer.Option("", help="every worker's " + MEDIA_HELP),
     force_transport: str = typer.Option(
         "", help="--smoke: move every transfer over this medium (e.g. nixl, mooncake, tcp, shm)"
     ),

@@ -99,7 +99,7 @@ from topkv.transport.base import (
     TransportMode,
 )
 from topkv.transport.emulated import EmulatedSource, LinkModel
-from topkv.transport.errors import TransferTimeout, TransportError
+from topkv.transport.errors import TransferTimeout, TransportError, TransportUnavailable
 from topkv.transport.faults import CorruptingSource
 from topkv.transport.shm import ShmSink
 from topkv.transport.tcp import TcpSink
@@ -396,7 +396,7 @@ class WorkerService:
             sink = self._sinks.get(kind)
             if sink is None:
                 make = transports.get(kind).make_sink
-                sink = await asyncio.to_thread(make, self.config.secret)
+                sink = await asyncio.to_thread(_made, make, self.config.secret, kind, "sink")
                 self._sinks[kind] = sink
         return sink
 
@@ -533,7 +533,8 @@ class WorkerService:
         with self._sources_lock:
             source = self._sources.get(medium)
             if source is None:
-                source = transports.get(medium).make_source(self.config.secret)
+                make = transports.get(medium).make_source
+                source = _made(make, self.config.secret, medium, "source")
                 source = self._with_faults(medium, source)
                 self._sources[medium] = source
             return source
@@ -549,6 +550,16 @@ class WorkerService:
             self._corrupters.append(corrupter)
             source = corrupter
         return source
+
+
+def _made(make: Callable[[bytes], T], secret: bytes, medium: str, what: str) -> T:
+    """``make(secret)``; an engine that fails to start is this medium's transport failure."""
+    try:
+        return make(secret)
+    except TransportError:
+        raise
+    except Exception as exc:  # e.g. an engine agent that cannot start here
+        raise TransportUnavailable(f"{medium} {what} failed to start: {exc!r}") from exc
 
 
 async def _ended(kv: HeldKV, timeout_s: float | None) -> None:
