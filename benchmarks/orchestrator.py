@@ -33,7 +33,8 @@ import statistics
 import time
 
 from topkv.relay.executor import AttemptPlan, Delivery
-from topkv.relay.orchestrator import Orchestrator, OrchestratorConfig
+from topkv.relay.orchestrator import Orchestrator
+from topkv.relay.orchestrator_config import OrchestratorConfig
 from topkv.relay.registry import MemoryRegistry
 from topkv.relay.workers import WorkerInfo
 from topkv.transport.base import KVLayout

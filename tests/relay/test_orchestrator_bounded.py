@@ -8,7 +8,7 @@ from collections.abc import Awaitable
 
 import pytest
 
-from topkv.relay.orchestrator import _bounded
+from topkv.relay.bounded import bounded
 
 
 async def _immediate(value: int) -> int:
@@ -39,20 +39,20 @@ def _run(awaitable: Awaitable[int]) -> int:
 
 
 def test_immediate_result_and_error() -> None:
-    assert _run(_bounded(_immediate(5), 1.0)) == 5
+    assert _run(bounded(_immediate(5), 1.0)) == 5
     with pytest.raises(ValueError, match="bad input"):
-        _run(_bounded(_fails_at_once(), 1.0))
+        _run(bounded(_fails_at_once(), 1.0))
 
 
 def test_suspending_call_completes_and_errors_pass_through() -> None:
     async def main() -> int:
         event = asyncio.Event()
         asyncio.get_running_loop().call_soon(event.set)
-        return await _bounded(_waits(event, 9), 5.0)
+        return await bounded(_waits(event, 9), 5.0)
 
     assert asyncio.run(main()) == 9
     with pytest.raises(KeyError, match="late"):
-        _run(_bounded(_fails_after_waiting(), 1.0))
+        _run(bounded(_fails_after_waiting(), 1.0))
 
 
 def test_suspended_call_past_its_deadline_times_out_and_is_cancelled() -> None:
@@ -67,7 +67,7 @@ def test_suspended_call_past_its_deadline_times_out_and_is_cancelled() -> None:
         return 0
 
     with pytest.raises(TimeoutError):
-        _run(_bounded(hangs(), 0.01))
+        _run(bounded(hangs(), 0.01))
     assert cancelled == [True]
 
 
@@ -82,7 +82,7 @@ def test_cancelling_the_caller_cancels_the_call() -> None:
         return 0
 
     async def main() -> None:
-        task = asyncio.create_task(_bounded(hangs(), 30.0))
+        task = asyncio.create_task(bounded(hangs(), 30.0))
         for _ in range(5):
             await asyncio.sleep(0)
         task.cancel()
@@ -98,9 +98,9 @@ def test_non_coroutine_awaitables_are_bounded_too() -> None:
         loop = asyncio.get_running_loop()
         ready: asyncio.Future[int] = loop.create_future()
         loop.call_soon(ready.set_result, 3)
-        assert await _bounded(ready, 1.0) == 3
+        assert await bounded(ready, 1.0) == 3
         never: asyncio.Future[int] = loop.create_future()
         with pytest.raises(TimeoutError):
-            await _bounded(never, 0.01)
+            await bounded(never, 0.01)
 
     asyncio.run(main())

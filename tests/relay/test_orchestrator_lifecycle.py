@@ -11,13 +11,8 @@ from typing import Any
 import pytest
 
 from topkv.relay.executor import AttemptFailed, AttemptPlan, Delivery
-from topkv.relay.orchestrator import (
-    Orchestrator,
-    OrchestratorConfig,
-    QueueFull,
-    RetryPolicy,
-    UnknownWorker,
-)
+from topkv.relay.orchestrator import Orchestrator, QueueFull, UnknownWorker
+from topkv.relay.orchestrator_config import OrchestratorConfig, RetryPolicy
 from topkv.relay.registry import MemoryRegistry
 from topkv.relay.transfers import (
     DuplicateRequest,

@@ -14,7 +14,8 @@ from topkv.relay.inprocess import (
     new_secret,
 )
 from topkv.relay.metrics import serve_metrics
-from topkv.relay.orchestrator import Orchestrator, OrchestratorConfig
+from topkv.relay.orchestrator import Orchestrator
+from topkv.relay.orchestrator_config import OrchestratorConfig
 from topkv.relay.registry import MemoryRegistry, WorkerRegistry, open_registry
 from topkv.relay.transfers import Outcome, TransferState
 from topkv.relay.workers import WorkerInfo

@@ -18,7 +18,7 @@ from rich.table import Table
 from topkv.cli.console import stdout_console
 from topkv.errors import ConfigError
 from topkv.jsonout import dumps
-from topkv.relay.orchestrator import OrchestratorConfig, RetryPolicy
+from topkv.relay.orchestrator_config import OrchestratorConfig, RetryPolicy
 from topkv.relay.workers import WorkerCapabilities
 from topkv.service.client import OrchestratorClient
 from topkv.service.errors import ServiceError

@@ -65,7 +65,9 @@ from topkv.demo.workload import DemoRequest, find_trace, load_requests
 from topkv.engine.spec import DemoModelConfig
 from topkv.errors import TopKVError
 from topkv.policy import PairView, TransferRequest, UniformPolicy
-from topkv.relay.orchestrator import Completion, Orchestrator, OrchestratorConfig
+from topkv.relay.completions import Completion
+from topkv.relay.orchestrator import Orchestrator
+from topkv.relay.orchestrator_config import OrchestratorConfig
 from topkv.relay.registry import MemoryRegistry
 from topkv.relay.transfers import Outcome, TransferState
 from topkv.relay.workers import WorkerInfo

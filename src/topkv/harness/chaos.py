@@ -51,7 +51,8 @@ from topkv.errors import TopKVError
 from topkv.harness.chaos_config import REPORT_KEYS, ChaosConfig, ChaosReport
 from topkv.harness.chaos_inprocess import run_inprocess
 from topkv.relay.executor import AttemptFailed, AttemptPlan, Delivery
-from topkv.relay.orchestrator import Orchestrator, OrchestratorConfig, RetryPolicy
+from topkv.relay.orchestrator import Orchestrator
+from topkv.relay.orchestrator_config import OrchestratorConfig, RetryPolicy
 from topkv.relay.registry import MemoryRegistry, Registration
 from topkv.relay.transfers import Outcome
 from topkv.relay.workers import WorkerInfo

@@ -23,7 +23,8 @@ from topkv.relay.inprocess import (
     content_digest,
     new_secret,
 )
-from topkv.relay.orchestrator import Orchestrator, OrchestratorConfig, RetryPolicy
+from topkv.relay.orchestrator import Orchestrator
+from topkv.relay.orchestrator_config import OrchestratorConfig, RetryPolicy
 from topkv.relay.registry import MemoryRegistry
 from topkv.relay.transfers import Outcome
 from topkv.relay.workers import WorkerInfo

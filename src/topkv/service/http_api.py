@@ -38,15 +38,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, Counter
 from topkv.errors import ConfigError, TopKVError
 from topkv.policy.adapters import cluster_from_json, pair_view_from_cluster
 from topkv.policy.view import PairView
+from topkv.relay.completions import Completion
 from topkv.relay.executor import AttemptFailed
-from topkv.relay.orchestrator import (
-    Completion,
-    Orchestrator,
-    OrchestratorClosed,
-    OrchestratorConfig,
-    QueueFull,
-    UnknownWorker,
-)
+from topkv.relay.orchestrator import Orchestrator, OrchestratorClosed, QueueFull, UnknownWorker
+from topkv.relay.orchestrator_config import OrchestratorConfig
 from topkv.relay.pairs import PairViewCache, endpoint_of
 from topkv.relay.registry import MemoryRegistry, Registration, WorkerRegistry, open_registry
 from topkv.relay.transfers import (

@@ -1,0 +1,184 @@
+"""The orchestrator's routing: the decode worker and the ranked transports for one
+transfer, with the caches that keep it cheap (:class:`DecodeRouter`)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+
+from topkv.policy.errors import PolicyError
+from topkv.policy.route import RouteDecision, RouteScore, RoutingPolicy
+from topkv.policy.select import TransportSelector
+from topkv.policy.view import Endpoint, LinkLoad, LinkLoadTracker, PairView, TransferRequest
+from topkv.relay.liveview import LiveWorkerView
+from topkv.relay.orchestrator_config import OrchestratorConfig
+from topkv.relay.pairs import CachingSelector
+from topkv.relay.runs import Exhausted, TransferRun
+from topkv.relay.slots import DecodeSlots
+from topkv.relay.transfers import FailureKind, TransferRecord, TransferState, TransferTable
+from topkv.relay.workers import WorkerInfo
+
+WorkerPairView = Callable[[WorkerInfo, WorkerInfo], PairView]
+
+
+class DecodeRouter:
+    """Picks the decode worker for a transfer (``RoutingPolicy`` over ``selector``'s
+    costs) and reserves one of its slots."""
+
+    def __init__(
+        self,
+        view: LiveWorkerView,
+        slots: DecodeSlots,
+        transfers: TransferTable,
+        config: OrchestratorConfig,
+        *,
+        selector: TransportSelector,
+        routing: RoutingPolicy,
+        pair_view: WorkerPairView,
+        load: LinkLoadTracker,
+    ) -> None:
+        self.view = view
+        self.slots = slots
+        self.transfers = transfers
+        self.config = config
+        self.selector = selector
+        self.routing = routing
+        self._pair_view = pair_view
+        # Live per-link load, kept as counters; the immutable snapshot the policies read
+        # is built only when routing needs it and something changed since the last one.
+        self.load = load
+        # Routing costs per (source, request), reused while the source's registration, the
+        # registry version and the load snapshot stay the same. Only when the selection
+        # policy is declared pure (CachingSelector) and the routing rule is the stock one.
+        self._reuse_scores = isinstance(selector, CachingSelector) and (
+            type(routing) is RoutingPolicy
+        )
+        self._scores: dict[
+            tuple[str, TransferRequest], tuple[WorkerInfo, LinkLoad, int, tuple[RouteScore, ...]]
+        ] = {}
+        self._requests: dict[tuple[int, int, str | None], TransferRequest] = {}
+        self._pairs: dict[
+            str,
+            tuple[WorkerInfo, int, list[tuple[str, Endpoint]], dict[Endpoint, PairView]],
+        ] = {}
+
+    def registry_changed(self) -> None:
+        """Forget the routing costs (a registration changed)."""
+        self._scores.clear()
+
+    async def route(
+        self,
+        record: TransferRecord,
+        run: TransferRun,
+        source: WorkerInfo,
+        request: TransferRequest,
+        excluded: set[str],
+    ) -> RouteDecision:
+        """Pick the decode worker and reserve one of its slots; waits (bounded) for one."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.route_wait_s
+        while True:
+            decision = self._choose(source, request, excluded)
+            if decision is not None:
+                self.slots.reserve(run, decision.worker_id)
+                if record.state == TransferState.QUEUED:
+                    self.transfers.move(record, TransferState.PLANNED)
+                return decision
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise Exhausted(
+                    FailureKind.NO_DESTINATION,
+                    f"no healthy decode worker with a free slot within "
+                    f"{self.config.route_wait_s} s (excluded: {sorted(excluded) or 'none'})",
+                )
+            event = self.slots.capacity_changed
+            assert event is not None
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(event.wait(), remaining)
+
+    def _choose(
+        self, source: WorkerInfo, request: TransferRequest, excluded: set[str]
+    ) -> RouteDecision | None:
+        try:
+            if self._reuse_scores:
+                scores = self._route_scores(source, request)
+                return self.routing.choose_scored(
+                    scores,
+                    self.slots.views,
+                    self.selector,
+                    request,
+                    self.load.snapshot(),
+                    excluded,
+                )
+            by_endpoint = self._decoders_by_endpoint()
+
+            def lookup(_src: Endpoint, dst: Endpoint) -> PairView:
+                return self._pair_view(source, by_endpoint[dst])
+
+            return self.routing.choose_decode(
+                self.slots.endpoint(source),
+                list(self.slots.views.values()),
+                lookup,
+                request,
+                self.selector,
+                self.load.snapshot(),
+                excluded,
+            )
+        except PolicyError as exc:
+            raise Exhausted(FailureKind.NO_DESTINATION, f"routing refused: {exc}") from exc
+
+    def _decoders_by_endpoint(self) -> dict[Endpoint, WorkerInfo]:
+        return {self.slots.endpoint(info): info for info in self.view.workers("decode")}
+
+    def _route_scores(self, source: WorkerInfo, request: TransferRequest) -> tuple[RouteScore, ...]:
+        """Every decode worker's transfer cost from ``source`` (cached, see __init__)."""
+        load = self.load.snapshot()
+        version = self.view.version
+        key = (source.worker_id, request)
+        found = self._scores.get(key)
+        if found is not None and found[0] is source and found[1] is load and found[2] == version:
+            return found[3]
+        targets, pairs = self._pairs_from(source, version)
+        scores = self.routing.score(
+            self.slots.endpoint(source),
+            targets,
+            lambda _src, dst: pairs[dst],
+            request,
+            self.selector,
+            load,
+        )
+        if len(self._scores) >= 1024:
+            self._scores.clear()
+        self._scores[key] = (source, load, version, scores)
+        return scores
+
+    def _pairs_from(
+        self, source: WorkerInfo, version: int
+    ) -> tuple[list[tuple[str, Endpoint]], dict[Endpoint, PairView]]:
+        """The decode workers and the pair view to each from ``source`` (cached until the
+        registry changes: pair views depend on the registrations alone)."""
+        found = self._pairs.get(source.worker_id)
+        if found is not None and found[0] is source and found[1] == version:
+            return found[2], found[3]
+        by_endpoint = self._decoders_by_endpoint()
+        targets = [(info.worker_id, endpoint) for endpoint, info in by_endpoint.items()]
+        pairs = {endpoint: self._pair_view(source, info) for endpoint, info in by_endpoint.items()}
+        if len(self._pairs) >= 1024:
+            self._pairs.clear()
+        self._pairs[source.worker_id] = (source, version, targets, pairs)
+        return targets, pairs
+
+    def request_for(self, record: TransferRecord) -> TransferRequest:
+        """The policies' view of ``record`` (one shared object per distinct request)."""
+        key = (
+            record.size_bytes,
+            record.layout.num_layers * self.config.chunks_per_layer,
+            record.manual_override,
+        )
+        request = self._requests.get(key)
+        if request is None:
+            if len(self._requests) >= 1024:
+                self._requests.clear()
+            request = self._requests[key] = TransferRequest(*key)
+        return request
