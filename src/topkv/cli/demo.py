@@ -40,7 +40,8 @@ def demo_command(
         summarize,
         summary_text,
     )
-    from topkv.demo.runner import DemoOptions, DemoRun, Progress
+    from topkv.demo.results import Progress
+    from topkv.demo.runner import DemoOptions, DemoRun
     from topkv.engine import model_extra_available
     from topkv.engine.deps import INSTALL_HINT
 

@@ -11,7 +11,8 @@ from rich.table import Table
 from rich.text import Text
 
 from topkv.demo.measure import Percentiles, quantile
-from topkv.demo.runner import DemoOptions, Progress, RequestResult
+from topkv.demo.results import Progress, RequestResult
+from topkv.demo.runner import DemoOptions
 from topkv.transport.media import MEDIUM_FOR_MODE
 
 #: The keys of each request in ``--json`` (issue #6), in order.

@@ -25,11 +25,9 @@ import math
 import sys
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from topkv.demo import measure
 from topkv.demo.cluster import LocalCluster
 from topkv.demo.errors import DemoError
 from topkv.demo.executor import DemoExecutor, WorkerPort
@@ -51,6 +49,16 @@ from topkv.demo.protocol import (
     SendDone,
     Take,
 )
+from topkv.demo.results import (
+    REPLAY,
+    SERIAL,
+    STREAM,
+    Progress,
+    ProgressCallback,
+    RequestResult,
+    RequestState,
+    request_result,
+)
 from topkv.demo.topology import (
     DEFAULT_FIXTURE,
     DEFAULT_PLACEMENTS,
@@ -61,7 +69,7 @@ from topkv.demo.topology import (
     worker_info,
 )
 from topkv.demo.worker import WIRE_DTYPES
-from topkv.demo.workload import DemoRequest, find_trace, load_requests
+from topkv.demo.workload import find_trace, load_requests
 from topkv.engine.spec import DemoModelConfig
 from topkv.errors import TopKVError
 from topkv.policy import PairView, TransferRequest, UniformPolicy
@@ -74,7 +82,6 @@ from topkv.relay.workers import WorkerInfo
 from topkv.transport.base import KVLayout
 
 now = time.perf_counter
-STREAM, SERIAL, REPLAY = "stream", "serial", "replay"
 
 
 @dataclass(frozen=True)
@@ -102,80 +109,6 @@ class DemoOptions:
             raise DemoError(f"decode capacity must be >= 1, got {self.decode_capacity}")
 
 
-@dataclass(frozen=True)
-class RequestResult:
-    """One request's figures (milliseconds of wall clock on this host)."""
-
-    id: int
-    transport: str
-    medium: str
-    prefill_worker: str
-    decode_worker: str
-    prompt_len: int
-    trace_prompt_tokens: int
-    bytes: int
-    arrival_ms: float
-    queue_ms: float
-    decode_ms: float
-    prefill_ms: float
-    transfer_ms: float
-    exposed_ms: float
-    modelled_exposed_ms: float
-    serial_ms: float
-    ttft_ms: float
-    uniform_rdma_exposed_ms: float
-    uniform_rdma_ttft_ms: float
-    tokens_identical: bool
-    emulated: bool
-    dilation: float
-    attempts: int = 0
-    error: str | None = None
-
-
-@dataclass
-class _Request:
-    request: DemoRequest
-    stage: str = "waiting"
-    arrival_s: float = 0.0
-    prefill_worker: str = ""
-    decode_worker: str = ""
-    link: LinkChoice | None = None
-    rdma_link: LinkChoice | None = None
-    prefill: PrefillDone | None = None
-    sends: dict[str, SendDone] = field(default_factory=dict)
-    received: dict[str, Received] = field(default_factory=dict)
-    decoded: Decoded | None = None
-    reference: ReferenceDone | None = None
-    wires: dict[str, int] = field(default_factory=dict)
-    attempts: int = 0
-    baselines_released: bool = False
-    error: str | None = None
-
-    @property
-    def rid(self) -> int:
-        return self.request.rid
-
-    def fail(self, message: str) -> None:
-        if self.error is None:
-            self.error = message
-        self.stage = "failed"
-
-
-@dataclass(frozen=True)
-class Progress:
-    """A snapshot for the live view."""
-
-    phase: str
-    elapsed_s: float
-    total: int
-    stages: dict[str, int]
-    by_transport: dict[str, int]
-    finished: list[RequestResult]
-
-
-ProgressCallback = Callable[[Progress], None]
-
-
 class DemoRun:
     def __init__(self, options: DemoOptions, on_progress: ProgressCallback | None = None) -> None:
         self.options = options
@@ -191,7 +124,7 @@ class DemoRun:
         self.topology = two_node_cluster(find_fixture(options.fixture))
         self.placements = list(DEFAULT_PLACEMENTS)
         self._placement = {p.worker_id: p for p in self.placements}
-        self.states = {r.rid: _Request(r) for r in self.requests}
+        self.states = {r.rid: RequestState(r) for r in self.requests}
         self.phase = "starting workers"
         self.started_s = now()
         self.model_id = ""
@@ -343,7 +276,7 @@ class DemoRun:
     async def _replay(self, orch: Orchestrator) -> None:
         start = now() + 0.05
         waiting = sorted(self.states.values(), key=lambda s: s.request.arrival_s)
-        queued: list[_Request] = []
+        queued: list[RequestState] = []
         busy: dict[str, int | None] = {
             p.worker_id: None for p in self.placements if p.role == "prefill"
         }
@@ -387,7 +320,7 @@ class DemoRun:
         )
         return free > len(orch.query(TransferState.QUEUED))
 
-    async def _dispatch(self, orch: Orchestrator, state: _Request, prefill_worker: str) -> None:
+    async def _dispatch(self, orch: Orchestrator, state: RequestState, prefill_worker: str) -> None:
         """Start prefill on ``prefill_worker`` and hand the request to the orchestrator at
         once: it routes, selects and starts streaming while prefill still computes."""
         state.prefill_worker = prefill_worker
@@ -451,13 +384,13 @@ class DemoRun:
         with contextlib.suppress(TopKVError):
             self.orch.release_decode_slot(rid)
 
-    def _wire(self, state: _Request, tag: str) -> int:
+    def _wire(self, state: RequestState, tag: str) -> int:
         wire = state.wires.get(tag)
         if wire is None:
             wire = state.wires[tag] = self.executor.new_wire()
         return wire
 
-    def _expect(self, state: _Request, tag: str, kind: str) -> None:
+    def _expect(self, state: RequestState, tag: str, kind: str) -> None:
         link = state.rdma_link if tag == REPLAY else state.link
         assert link is not None
         self.cluster.send(
@@ -474,7 +407,7 @@ class DemoRun:
             ),
         )
 
-    def _send(self, state: _Request, tag: str, link: LinkChoice) -> None:
+    def _send(self, state: RequestState, tag: str, link: LinkChoice) -> None:
         self.cluster.send(
             state.prefill_worker,
             Send(
@@ -542,7 +475,7 @@ class DemoRun:
         elif isinstance(event, ReferenceDone):
             state.reference = event
 
-    def _advance(self, state: _Request) -> None:
+    def _advance(self, state: RequestState) -> None:
         if state.stage == "failed":
             self._finish_transfers(state)
             return
@@ -555,7 +488,7 @@ class DemoRun:
         if done_copies:
             self._finish_transfers(state)
 
-    def _finish_transfers(self, state: _Request) -> None:
+    def _finish_transfers(self, state: RequestState) -> None:
         """The baselines are done with the request's KV (the relay releases its own hold)."""
         if state.prefill_worker and not state.baselines_released:
             state.baselines_released = True
@@ -629,77 +562,5 @@ class DemoRun:
             )
         )
 
-    def _result(self, state: _Request) -> RequestResult:
-        link = state.link
-        request = state.request
-        nbytes = request.prompt_len * self.layer_bytes_per_token * self.layers
-        nan = math.nan
-        figures = dict(
-            queue_ms=nan, decode_ms=nan,
-            prefill_ms=nan, transfer_ms=nan, exposed_ms=nan, modelled_exposed_ms=nan,
-            serial_ms=nan, ttft_ms=nan, uniform_rdma_exposed_ms=nan, uniform_rdma_ttft_ms=nan,
-        )  # fmt: skip
-        error = state.error
-        try:
-            figures.update(self._figures(state))
-        except DemoError as exc:
-            error = error or str(exc)
-        except (KeyError, AssertionError) as exc:
-            error = error or f"incomplete measurement (stage {state.stage}): {exc!r}"
-        identical = (
-            error is None
-            and state.decoded is not None
-            and state.reference is not None
-            and state.decoded.tokens == state.reference.tokens
-        )
-        return RequestResult(
-            id=request.rid,
-            transport=link.mode if link else "",
-            medium=link.medium if link else "",
-            prefill_worker=state.prefill_worker,
-            decode_worker=state.decode_worker,
-            prompt_len=request.prompt_len,
-            trace_prompt_tokens=request.trace_prompt_tokens,
-            bytes=nbytes,
-            arrival_ms=request.arrival_s * 1e3,
-            attempts=state.attempts,
-            tokens_identical=bool(identical),
-            emulated=True,
-            dilation=self.options.dilation,
-            error=error,
-            **figures,
-        )
-
-    def _figures(self, state: _Request) -> dict[str, float]:
-        prefill, decoded = state.prefill, state.decoded
-        stream, serial_send = state.sends[STREAM], state.sends[SERIAL]
-        serial_recv = state.received[SERIAL]
-        assert prefill is not None and decoded is not None
-        prefill_end = prefill.forward_end_s
-        exposed = measure.exposed_after(prefill_end, decoded.arrivals_s)
-        link_s = measure.link_times_from_serial(
-            serial_send.offered_s, serial_send.handed_s, serial_recv.arrivals_s
-        )
-        modelled = measure.modelled_exposed_s(
-            prefill.forward_start_s, prefill.layer_ready_s, prefill_end, link_s
-        )
-        ttft = decoded.decode_start_s - state.arrival_s
-        if REPLAY in state.received:
-            replay_send, replay_recv = state.sends[REPLAY], state.received[REPLAY]
-            replay_end = replay_send.start_s + (prefill_end - prefill.forward_start_s)
-            rdma_exposed = measure.exposed_after(replay_end, replay_recv.arrivals_s)
-        else:
-            rdma_exposed = exposed
-        ms = 1e3
-        return {
-            "queue_ms": (prefill.started_s - state.arrival_s) * ms,
-            "decode_ms": (decoded.decode_end_s - decoded.decode_start_s) * ms,
-            "prefill_ms": (prefill_end - prefill.forward_start_s) * ms,
-            "transfer_ms": (measure.last_landed(decoded.arrivals_s) - stream.offered_s[0]) * ms,
-            "exposed_ms": exposed * ms,
-            "modelled_exposed_ms": modelled * ms,
-            "serial_ms": (measure.last_landed(serial_recv.arrivals_s) - serial_send.start_s) * ms,
-            "ttft_ms": ttft * ms,
-            "uniform_rdma_exposed_ms": rdma_exposed * ms,
-            "uniform_rdma_ttft_ms": (ttft - exposed + rdma_exposed) * ms,
-        }
+    def _result(self, state: RequestState) -> RequestResult:
+        return request_result(state, self.layer_bytes_per_token, self.layers, self.options.dilation)
