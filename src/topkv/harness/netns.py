@@ -8,10 +8,9 @@ made.
 
 from __future__ import annotations
 
-import contextlib
 import shutil
 import subprocess
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 from topkv.transport.errors import TransportUnavailable
 
@@ -66,13 +65,3 @@ class PrivateNetns:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-@contextlib.contextmanager
-def private_netns() -> Iterator[PrivateNetns]:
-    """``with private_netns() as ns: subprocess.run(ns.command([...]))``."""
-    netns = PrivateNetns()
-    try:
-        yield netns
-    finally:
-        netns.close()

@@ -44,11 +44,6 @@ class DemoMeasurement:
     decode_worker: str | None = None
     queue_ms: float | None = None
 
-    @property
-    def service_ms(self) -> float | None:
-        """TTFT less queueing: prefill, exposed transfer and handoff."""
-        return None if self.queue_ms is None else self.ttft_ms - self.queue_ms
-
 
 @dataclass(frozen=True)
 class DemoRecord:

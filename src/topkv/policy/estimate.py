@@ -72,15 +72,6 @@ class CandidateEstimate:
         }
 
 
-def queued_bytes_on(load: LinkLoad, link: str, nbytes: int) -> int:
-    """Bytes of other flows that ``link`` serves while a transfer of ``nbytes`` completes."""
-    in_flight = load.bytes_on(link)
-    flows = load.flows_on(link)
-    if flows <= 0:
-        return in_flight
-    return min(in_flight, flows * nbytes)
-
-
 def _format_bytes(nbytes: int) -> str:
     value = float(nbytes)
     for unit in ("B", "KB", "MB", "GB"):
@@ -107,7 +98,8 @@ def _queued(candidate: PathCandidate, load: LinkLoad, nbytes: int) -> tuple[int,
     bottleneck: str | None = None
     queued = 0
     for link in candidate.links:
-        # queued_bytes_on(load, link, nbytes), inlined: this runs per path per decision.
+        # Bytes of other flows this link serves while ours completes: at most ``nbytes``
+        # per flow (inlined: this runs per path per decision).
         on_link = in_flight.get(link, 0)
         count = flows.get(link, 0)
         if count > 0:

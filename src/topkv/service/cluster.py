@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -493,13 +493,3 @@ def smoke_results(report: dict[str, Any]) -> list[dict[str, Any]]:
         }
         for r in report["results"]
     ]
-
-
-@contextlib.contextmanager
-def running_cluster(config: ClusterConfig, run_dir: Path | None = None) -> Iterator[LocalCluster]:
-    cluster = LocalCluster(config, run_dir)
-    cluster.start()
-    try:
-        yield cluster
-    finally:
-        cluster.stop()

@@ -341,10 +341,6 @@ class SimCluster:
             )
         return cluster
 
-    @property
-    def gpu_types(self) -> set[str]:
-        return {g.group.gpu for g in self.gpus}
-
     # -- pairs -----------------------------------------------------------------------
 
     def _specs(self, group: NodeGroup) -> Mapping[str, TransportSpec]:

@@ -39,7 +39,6 @@ from topkv.topology.detect.nvidia_smi import (
 from topkv.topology.model import (
     GPU,
     NIC,
-    Cluster,
     LinkLayer,
     MemoryTier,
     Node,
@@ -654,7 +653,3 @@ def discover_from_files(
         raw.texts[kind] = read_probe_output(path, kind)
         raw.origins[kind] = str(path)
     return build_node(raw, name=name, strict=True, gpu_name=gpu_name)
-
-
-def cluster_of(node: Node) -> Cluster:
-    return Cluster(nodes=[node])

@@ -131,12 +131,6 @@ class TopoMatrix:
     header_present: bool = True
     warnings: list[str] = field(default_factory=list)
 
-    def nic_name(self, label: str) -> str:
-        for nic in self.nics:
-            if label in (nic.label, nic.device):
-                return nic.name
-        return label
-
     def path(self, a: str, b: str) -> str | None:
         """Path type between two matrix labels (GPU0, NIC3, mlx5_0), either row order."""
         got = self.cells.get((a, b))
