@@ -10,7 +10,7 @@ from topkv.topology.detect.errors import ParseError
 from topkv.topology.detect.numa import NumaNodeInfo, parse_cpu_list
 from topkv.topology.detect.rdma import RdmaPort
 from topkv.topology.sysfs import (
-    PciDevice,
+    SysfsPciDevice,
     read_infiniband,
     read_numa_nodes,
     read_pci_devices,
@@ -102,7 +102,7 @@ def test_read_pci_devices_tells_gpus_and_nics_apart(tmp_path: Path) -> None:
         "0000:9a:00.0",
         "0000:c1:00.0",
     ]
-    assert devices[2] == PciDevice("0000:18:00.0", 0x10DE, 0x2330, 0x030200, 0)
+    assert devices[2] == SysfsPciDevice("0000:18:00.0", 0x10DE, 0x2330, 0x030200, 0)
     assert [d.bdf for d in devices if d.is_gpu] == ["0000:18:00.0", "0000:9a:00.0"]
     assert [d.bdf for d in devices if d.is_nic] == ["0000:17:00.0", "0000:c1:00.0"]
     assert devices[4].numa_node is None

@@ -22,8 +22,8 @@ from topkv.wire import (
     MAGIC,
     WIRE_VERSION,
     BadMagic,
-    ChecksumMismatch,
     DType,
+    FrameChecksumMismatch,
     HeaderCorrupt,
     SizeLimitExceeded,
     SizeMismatch,
@@ -87,10 +87,10 @@ def _expected_error(position: int, k_bytes: int) -> tuple[type[WireError], str |
     if position < 10:
         return UnsupportedVersion, None
     if position < HEADER_SIZE:
-        return ChecksumMismatch, "header"
+        return FrameChecksumMismatch, "header"
     if position < HEADER_SIZE + k_bytes:
-        return ChecksumMismatch, "k"
-    return ChecksumMismatch, "v"
+        return FrameChecksumMismatch, "k"
+    return FrameChecksumMismatch, "v"
 
 
 def _assert_detected(
@@ -102,7 +102,7 @@ def _assert_detected(
     with pytest.raises(error) as info:
         decoder(bytes(corrupted))
     if part is not None:
-        assert isinstance(info.value, ChecksumMismatch)
+        assert isinstance(info.value, FrameChecksumMismatch)
         assert info.value.part == part
 
 
@@ -161,7 +161,7 @@ def test_multi_byte_payload_corruption_is_detected(positions: list[int], mask: i
     corrupted = bytearray(_BIG_FRAME)
     for position in positions:
         corrupted[position] ^= mask
-    with pytest.raises(ChecksumMismatch):
+    with pytest.raises(FrameChecksumMismatch):
         decode_kv(bytes(corrupted))
 
 

@@ -13,8 +13,8 @@ from wire_helpers import random_tensor
 from topkv.wire import (
     HEADER_SIZE,
     BufferLayoutError,
-    ChecksumMismatch,
     DType,
+    FrameChecksumMismatch,
     HeaderCorrupt,
     KVHeader,
     LayerFrameHeader,
@@ -231,7 +231,7 @@ def test_two_step_receive_with_separate_buffers() -> None:
     v_buf[:] = wire[HEADER_SIZE + header.k_bytes :]
     verify_payload(header, k_buf, v_buf)
     v_buf[0] ^= 1
-    with pytest.raises(ChecksumMismatch) as info:
+    with pytest.raises(FrameChecksumMismatch) as info:
         verify_payload(header, k_buf, v_buf)
     assert info.value.part == "v"
     with pytest.raises(SizeMismatch):
@@ -257,7 +257,7 @@ def test_precomputed_checksums_are_used() -> None:
         k_crc=k_crc,
         v_crc=v_crc ^ 1,  # a wrong precomputed CRC must surface at the receiver
     )
-    with pytest.raises(ChecksumMismatch) as info:
+    with pytest.raises(FrameChecksumMismatch) as info:
         decode_kv(frame.to_bytes())
     assert info.value.part == "v"
 

@@ -1,6 +1,6 @@
 """A local cluster of demo worker processes, started and always torn down together.
 
-:class:`LocalCluster` spawns one process per :class:`~topkv.demo.topology.Placement`
+:class:`DemoCluster` spawns one process per :class:`~topkv.demo.topology.Placement`
 (multiprocessing ``forkserver``: the server imports torch once, each worker builds the
 model itself), waits until each has
 reported ``Ready`` (with its sinks' addresses), and on :meth:`close` - also on errors and
@@ -22,7 +22,7 @@ from types import TracebackType
 from typing import Any
 
 from topkv.demo.errors import DemoError, WorkerFailed
-from topkv.demo.protocol import Event, Failed, Ready, Stop, WorkerConfig
+from topkv.demo.protocol import DemoWorkerConfig, Event, Failed, Ready, Stop
 from topkv.demo.topology import Placement
 from topkv.demo.worker import worker_main
 from topkv.engine.spec import DemoModelConfig
@@ -41,7 +41,7 @@ def check_shared_clock() -> None:
         )
 
 
-class LocalCluster:
+class DemoCluster:
     """Worker processes for the demo; use as a context manager."""
 
     def __init__(
@@ -70,7 +70,7 @@ class LocalCluster:
         self._startup_timeout_s = startup_timeout_s
         self._closed = False
 
-    def __enter__(self) -> LocalCluster:
+    def __enter__(self) -> DemoCluster:
         try:
             self.start()
         except BaseException:
@@ -91,7 +91,7 @@ class LocalCluster:
             p.worker_id: self.inboxes[p.worker_id] for p in self.placements if p.role == "decode"
         }
         for placement in self.placements:
-            config = WorkerConfig(
+            config = DemoWorkerConfig(
                 worker_id=placement.worker_id,
                 role=placement.role,
                 main_pid=os.getpid(),

@@ -21,7 +21,7 @@ HOLDERS = ("relay", "baselines")
 
 
 @dataclass(frozen=True)
-class WorkerConfig:
+class DemoWorkerConfig:
     worker_id: str
     role: Literal["prefill", "decode"]
     main_pid: int

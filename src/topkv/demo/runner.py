@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from topkv.demo.cluster import LocalCluster
+from topkv.demo.cluster import DemoCluster
 from topkv.demo.errors import DemoError
 from topkv.demo.executor import DemoExecutor, WorkerPort
 from topkv.demo.protocol import (
@@ -142,7 +142,7 @@ class DemoRun:
     # -- public ----------------------------------------------------------------------------
 
     def run(self) -> list[RequestResult]:
-        with LocalCluster(
+        with DemoCluster(
             self.placements,
             model=self.options.model,
             seed=self.options.seed,

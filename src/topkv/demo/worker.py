@@ -30,6 +30,7 @@ from topkv.demo.errors import DemoError
 from topkv.demo.protocol import (
     CancelSend,
     Decoded,
+    DemoWorkerConfig,
     Discard,
     Event,
     Expect,
@@ -48,7 +49,6 @@ from topkv.demo.protocol import (
     SendDone,
     Stop,
     Take,
-    WorkerConfig,
 )
 from topkv.relay.executor import classify_failure, kv_digest
 from topkv.transport.base import (
@@ -123,7 +123,7 @@ def _watch_parent(main_pid: int, on_orphaned: Callable[[], None]) -> None:
 class _Model:
     """The model, its KV spec and the prompt generator, loaded inside the worker."""
 
-    def __init__(self, config: WorkerConfig) -> None:
+    def __init__(self, config: DemoWorkerConfig) -> None:
         import torch
 
         torch.set_num_threads(config.torch_threads)
@@ -233,8 +233,8 @@ class _HeldKV:
                 raise RuntimeError(f"request {self.request.rid}: prefill failed: {self.error}")
 
 
-class PrefillWorker:
-    def __init__(self, config: WorkerConfig, outbox: Outbox, peers: dict[str, Any]) -> None:
+class DemoPrefillWorker:
+    def __init__(self, config: DemoWorkerConfig, outbox: Outbox, peers: dict[str, Any]) -> None:
         self.config = config
         self.outbox = outbox
         self.peers = peers
@@ -450,8 +450,8 @@ class _DecodeJob:
     queued: bool = False
 
 
-class DecodeWorker:
-    def __init__(self, config: WorkerConfig, outbox: Outbox) -> None:
+class DemoDecodeWorker:
+    def __init__(self, config: DemoWorkerConfig, outbox: Outbox) -> None:
         self.config = config
         self.outbox = outbox
         self.model = _Model(config)
@@ -642,13 +642,13 @@ class DecodeWorker:
 # -- process entry ---------------------------------------------------------------------
 
 
-def worker_main(config: WorkerConfig, inbox: Any, outbox: Any, peers: dict[str, Any]) -> None:
+def worker_main(config: DemoWorkerConfig, inbox: Any, outbox: Any, peers: dict[str, Any]) -> None:
     """Entry point of a worker process (multiprocessing ``spawn`` target)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # Transport threads (pacer, shm/tcp senders and receivers) must get the GIL quickly
     # while the main thread runs the model, or their stamps would carry GIL waits.
     sys.setswitchinterval(0.0005)
-    worker: PrefillWorker | DecodeWorker | None = None
+    worker: DemoPrefillWorker | DemoDecodeWorker | None = None
 
     def close() -> None:
         if worker is not None:
@@ -657,9 +657,9 @@ def worker_main(config: WorkerConfig, inbox: Any, outbox: Any, peers: dict[str, 
     _watch_parent(config.main_pid, close)
     try:
         worker = (
-            PrefillWorker(config, outbox, peers)
+            DemoPrefillWorker(config, outbox, peers)
             if config.role == "prefill"
-            else DecodeWorker(config, outbox)
+            else DemoDecodeWorker(config, outbox)
         )
         outbox.put(worker.ready())
     except Exception as exc:
@@ -679,7 +679,7 @@ def worker_main(config: WorkerConfig, inbox: Any, outbox: Any, peers: dict[str, 
                 rid = getattr(message, "rid", -1)
                 detail = traceback.format_exception_only(exc)[-1].strip()
                 outbox.put(Failed(config.worker_id, rid, f"{type(message).__name__}: {detail}"))
-        if isinstance(worker, PrefillWorker):
+        if isinstance(worker, DemoPrefillWorker):
             worker.jobs.put(None)
         else:
             worker.ready_jobs.put((-1, -1, None))
@@ -691,4 +691,4 @@ def worker_main(config: WorkerConfig, inbox: Any, outbox: Any, peers: dict[str, 
         close()
 
 
-__all__ = ["DecodeWorker", "Event", "PrefillWorker", "worker_main"]
+__all__ = ["DemoDecodeWorker", "DemoPrefillWorker", "Event", "worker_main"]

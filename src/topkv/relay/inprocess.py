@@ -61,7 +61,7 @@ def _tensor_crcs(layers: Sequence[Sequence[Buffer]]) -> list[tuple[int, ...]]:
 
 
 @dataclass(frozen=True)
-class HeldKV:
+class InProcessKV:
     """One request's KV at its source: buffers, per-tensor CRCs and the whole digest."""
 
     descriptor: TransferDescriptor
@@ -97,7 +97,7 @@ class PrefillWorker(_Worker):
         super().__init__(info)
         self._secret = secret
         self._wrap = wrap_source
-        self._held: dict[int, HeldKV] = {}
+        self._held: dict[int, InProcessKV] = {}
         self._sources: dict[str, TransferSource] = {}
         self._lock = threading.Lock()
 
@@ -117,12 +117,12 @@ class PrefillWorker(_Worker):
             raise TransportError(f"request {request_id}: buffers do not match the layout")
         crcs = tuple(_tensor_crcs(views))
         digest = kv_digest([c for layer in crcs for c in layer])
-        held = HeldKV(TransferDescriptor(request_id, model_id, layout), views, crcs, digest)
+        held = InProcessKV(TransferDescriptor(request_id, model_id, layout), views, crcs, digest)
         with self._lock:
             self._held[request_id] = held
         return digest
 
-    def get(self, request_id: int) -> HeldKV | None:
+    def get(self, request_id: int) -> InProcessKV | None:
         with self._lock:
             return self._held.get(request_id)
 
@@ -345,7 +345,7 @@ class InProcessExecutor:
 
     # -- helpers ---------------------------------------------------------------------------
 
-    def _held(self, source: WorkerInfo, request_id: int) -> HeldKV:
+    def _held(self, source: WorkerInfo, request_id: int) -> InProcessKV:
         worker = self.prefill.get(source.worker_id)
         held = worker.get(request_id) if worker is not None and worker.alive else None
         if held is None:

@@ -35,7 +35,7 @@ from topkv.policy.pairs import gpu_port, host_network, nic_port, pair_view_from_
 from topkv.policy.view import Endpoint, PairView
 from topkv.sim.compute import GPU_SPECS
 from topkv.sim.errors import ClusterSpecError
-from topkv.sim.links import Link, LinkNetwork
+from topkv.sim.links import LinkNetwork, SimLink
 
 GB = 1e9
 #: A cluster file is a few lines; anything larger is not one.
@@ -379,8 +379,8 @@ class LinkMap:
     """Simulated directed links for every policy link id of a cluster."""
 
     def __init__(self, cluster: SimCluster, network: LinkNetwork) -> None:
-        self.tx: dict[str, Link] = {}
-        self.rx: dict[str, Link] = {}
+        self.tx: dict[str, SimLink] = {}
+        self.rx: dict[str, SimLink] = {}
         seen_nodes: set[str] = set()
         for gpu in cluster.gpus:
             group = gpu.group
@@ -398,7 +398,7 @@ class LinkMap:
         self.tx[link_id] = network.add_link(f"{link_id}:tx", kind, gb_s * GB)
         self.rx[link_id] = network.add_link(f"{link_id}:rx", kind, gb_s * GB)
 
-    def path(self, link_ids: tuple[str, ...]) -> tuple[Link, ...]:
+    def path(self, link_ids: tuple[str, ...]) -> tuple[SimLink, ...]:
         """Directed links of a candidate path.
 
         :func:`topkv.policy.pairs.pair_view_from_facts` lists the source side's link id

@@ -1,6 +1,6 @@
 """Links with capacity, shared by concurrent flows with max-min fairness.
 
-Every KV transfer shard is a :class:`Flow` over a path of :class:`Link` objects. When a
+Every KV transfer shard is a :class:`Flow` over a path of :class:`SimLink` objects. When a
 flow starts, ends or changes its rate cap, the rates of all flows in the same connected
 component (flows transitively sharing a link) are recomputed by progressive filling: raise
 every unfrozen flow's rate equally until a link saturates or a flow reaches its cap, freeze
@@ -24,7 +24,7 @@ _REL_EPS = 1e-9
 _DONE_BYTES = 1e-3  # a flow with less than this many bytes left is complete
 
 
-class Link:
+class SimLink:
     """One direction of a physical link (NVLink port, PCIe lane group, NIC, ...).
 
     ``capacity`` is in bytes per second.
@@ -79,7 +79,7 @@ class Flow:
     def __init__(
         self,
         nbytes: float,
-        links: tuple[Link, ...],
+        links: tuple[SimLink, ...],
         on_done: Callable[[], None],
         cap: float,
     ) -> None:
@@ -111,12 +111,12 @@ class LinkNetwork:
             raise SimError(f"utilization bin width must be > 0, got {bin_s}")
         self.loop = loop
         self.bin_s = bin_s
-        self.links: list[Link] = []
+        self.links: list[SimLink] = []
         self.active_flows = 0
         self.recomputes = 0
 
-    def add_link(self, name: str, kind: str, capacity: float) -> Link:
-        link = Link(len(self.links), name, kind, capacity)
+    def add_link(self, name: str, kind: str, capacity: float) -> SimLink:
+        link = SimLink(len(self.links), name, kind, capacity)
         self.links.append(link)
         return link
 
@@ -124,7 +124,7 @@ class LinkNetwork:
 
     def start_flows(
         self,
-        specs: Sequence[tuple[float, tuple[Link, ...], Callable[[], None]]],
+        specs: Sequence[tuple[float, tuple[SimLink, ...], Callable[[], None]]],
         cap: float = math.inf,
     ) -> list[Flow]:
         """Start several flows at once (one rate recomputation); returns them.
@@ -156,10 +156,10 @@ class LinkNetwork:
 
     # -- internals -----------------------------------------------------------------------
 
-    def _component(self, seeds: Iterable[Flow]) -> tuple[list[Flow], list[Link]]:
+    def _component(self, seeds: Iterable[Flow]) -> tuple[list[Flow], list[SimLink]]:
         """All flows and links connected (through shared links) to ``seeds``."""
         flows: set[Flow] = set()
-        links: set[Link] = set()
+        links: set[SimLink] = set()
         stack = [f for f in seeds if f.remaining > 0]
         flows.update(stack)
         while stack:
@@ -173,9 +173,9 @@ class LinkNetwork:
                             stack.append(other)
         return list(flows), list(links)
 
-    def _components(self, seeds: Iterable[Flow]) -> list[tuple[list[Flow], list[Link]]]:
+    def _components(self, seeds: Iterable[Flow]) -> list[tuple[list[Flow], list[SimLink]]]:
         """The connected components that contain ``seeds``, each once."""
-        out: list[tuple[list[Flow], list[Link]]] = []
+        out: list[tuple[list[Flow], list[SimLink]]] = []
         seen: set[Flow] = set()
         for seed in seeds:
             if seed in seen or seed.remaining <= 0:
@@ -185,7 +185,7 @@ class LinkNetwork:
             out.append(component)
         return out
 
-    def _account(self, link: Link, now: float) -> None:
+    def _account(self, link: SimLink, now: float) -> None:
         """Integrate the link's allocated rate from its last update to ``now`` into bins."""
         t0 = link._last_t
         if now <= t0:
@@ -213,7 +213,7 @@ class LinkNetwork:
         for flows, links in self._components(seeds):
             self._fill(flows, links)
 
-    def _fill(self, flows: list[Flow], links: list[Link]) -> None:
+    def _fill(self, flows: list[Flow], links: list[SimLink]) -> None:
         """Max-min fair rates for one connected component; schedule its first finisher."""
         now = self.loop.now()
         self.recomputes += 1

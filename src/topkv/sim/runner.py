@@ -44,7 +44,7 @@ from topkv.sim.cluster import ClusterSpec, Instance, LinkMap, SimCluster, SimGPU
 from topkv.sim.compute import ComputeModel, default_tp, get_gpu
 from topkv.sim.engine import EventLoop, make_loop
 from topkv.sim.errors import SimError
-from topkv.sim.links import Flow, Link, LinkNetwork, UtilizationSeries
+from topkv.sim.links import Flow, LinkNetwork, SimLink, UtilizationSeries
 from topkv.traces import Request, Workload
 
 POLICIES: tuple[str, ...] = ("uniform-rdma", "paper", "cost")
@@ -466,7 +466,7 @@ class Simulation:
             r.path = path
             r.xfer_start = now
             shard = r.kv_bytes // self.tp
-            bundle: list[Link] = []
+            bundle: list[SimLink] = []
             for k in range(self.tp):
                 if k == 0:
                     links = path.links

@@ -121,7 +121,7 @@ def read_infiniband(root: Path = ROOT) -> list[RdmaPort]:
 
 
 @dataclass(frozen=True)
-class PciDevice:
+class SysfsPciDevice:
     """One PCI function: ``bdf`` like ``0000:17:00.0``, IDs as integers, full 24-bit class."""
 
     bdf: str
@@ -141,10 +141,10 @@ class PciDevice:
         return (self.pci_class >> 8) in NIC_CLASSES
 
 
-def read_pci_devices(root: Path = ROOT) -> list[PciDevice]:
+def read_pci_devices(root: Path = ROOT) -> list[SysfsPciDevice]:
     """All functions under ``/sys/bus/pci/devices``, sorted by BDF."""
     base = root / "sys" / "bus" / "pci" / "devices"
-    devices: list[PciDevice] = []
+    devices: list[SysfsPciDevice] = []
     for dev_dir in _sorted_dirs(base, "*"):
         numa_text = _read(dev_dir / "numa_node")
         numa: int | None = None
@@ -156,7 +156,7 @@ def read_pci_devices(root: Path = ROOT) -> list[PciDevice]:
                     f"sysfs: {dev_dir / 'numa_node'} holds {numa_text[:30]!r}"
                 ) from None
         devices.append(
-            PciDevice(
+            SysfsPciDevice(
                 bdf=dev_dir.name,
                 vendor=_hex(dev_dir / "vendor"),
                 device=_hex(dev_dir / "device"),

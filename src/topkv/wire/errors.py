@@ -40,7 +40,7 @@ class SizeLimitExceeded(WireError):
     """A header field exceeds the receiver's configured :class:`WireLimits`."""
 
 
-class ChecksumMismatch(WireError):
+class FrameChecksumMismatch(WireError):
     """The CRC-64 of the header, of K or of V does not match the received bytes.
 
     ``part`` is ``"header"``, ``"k"`` or ``"v"``; ``expected`` is the CRC the frame carries,

@@ -24,7 +24,7 @@ import numpy.typing as npt
 
 from topkv.wire.checksum import as_byte_view, contiguous_view, crc64
 from topkv.wire.dtypes import DType
-from topkv.wire.errors import ChecksumMismatch, SizeMismatch, TruncatedFrame
+from topkv.wire.errors import FrameChecksumMismatch, SizeMismatch, TruncatedFrame
 from topkv.wire.header import (
     HEADER_SIZE,
     FrameHeader,
@@ -230,7 +230,7 @@ def encode_layer_frame(
 def verify_payload(header: FrameHeader, k: object, v: object | None = None) -> None:
     """Check separately received K (and V) against ``header``: sizes, then CRCs.
 
-    Raises :class:`SizeMismatch` or :class:`ChecksumMismatch` naming the tensor.
+    Raises :class:`SizeMismatch` or :class:`FrameChecksumMismatch` naming the tensor.
     """
     k_view = as_byte_view(k, "K")
     if k_view.nbytes != header.k_bytes:
@@ -246,11 +246,11 @@ def verify_payload(header: FrameHeader, k: object, v: object | None = None) -> N
             raise SizeMismatch(f"V has {v_view.nbytes} bytes, the header says {header.v_bytes}")
     actual = crc64(k_view)
     if actual != header.k_crc:
-        raise ChecksumMismatch("k", header.k_crc, actual)
+        raise FrameChecksumMismatch("k", header.k_crc, actual)
     if not header.mla:
         actual = crc64(v_view)
         if actual != header.v_crc:
-            raise ChecksumMismatch("v", header.v_crc, actual)
+            raise FrameChecksumMismatch("v", header.v_crc, actual)
 
 
 def decode_payload(header: H, payload: object) -> DecodedFrame[H]:

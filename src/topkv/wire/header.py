@@ -38,7 +38,7 @@ from topkv.wire.checksum import as_byte_view, crc64
 from topkv.wire.dtypes import DType
 from topkv.wire.errors import (
     BadMagic,
-    ChecksumMismatch,
+    FrameChecksumMismatch,
     HeaderCorrupt,
     SizeLimitExceeded,
     SizeMismatch,
@@ -334,7 +334,7 @@ def unpack_header(buf: object, limits: WireLimits = DEFAULT_LIMITS) -> KVHeader 
         )
     actual_crc = crc64(raw[:HEADER_CRC_OFFSET])
     if actual_crc != header_crc:
-        raise ChecksumMismatch("header", header_crc, actual_crc)
+        raise FrameChecksumMismatch("header", header_crc, actual_crc)
     if reserved0 != _ZERO3 or reserved1 != _ZERO32:
         raise HeaderCorrupt("reserved header bytes are not zero in a version-1 frame")
     if flag_bits & ~int(KNOWN_FLAGS):
