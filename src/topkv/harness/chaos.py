@@ -53,15 +53,15 @@ from topkv.harness.chaos_inprocess import run_inprocess
 from topkv.relay.executor import AttemptFailed, AttemptPlan, Delivery
 from topkv.relay.orchestrator import Orchestrator
 from topkv.relay.orchestrator_config import OrchestratorConfig, RetryPolicy
-from topkv.relay.registry import MemoryRegistry, Registration
+from topkv.relay.registry import MemoryRegistry
 from topkv.relay.transfers import Outcome
 from topkv.relay.workers import WorkerInfo
-from topkv.service.api_models import HeartbeatAck, WorkerView
 from topkv.service.client import http_json
 from topkv.service.cluster import ClusterConfig, LocalCluster, WorkerPlacement
 from topkv.service.errors import ClusterError
-from topkv.service.httputil import error_response, model_response, read_model, site_url
-from topkv.service.messages import LayoutModel, PrefillRequest, RegisterRequest
+from topkv.service.httputil import site_url
+from topkv.service.messages import LayoutModel, PrefillRequest
+from topkv.service.registrations import Registrations
 from topkv.service.remote_executor import RemoteExecutor
 from topkv.service.worker import WorkerFaults
 from topkv.transport.shm import segments_of
@@ -93,15 +93,15 @@ class _RegistrationApi:
     def __init__(self, registry: MemoryRegistry, expire_interval_s: float = 0.25) -> None:
         self.registry = registry
         self.expire_interval_s = expire_interval_s
-        self._registrations: dict[str, Registration] = {}
+        self._registrations = Registrations(registry)
         self._runner: web.AppRunner | None = None
         self._expire: asyncio.Task[None] | None = None
 
     async def start(self) -> str:
         app = web.Application()
-        app.router.add_post("/v1/workers", self._register)
-        app.router.add_put("/v1/workers/{worker_id}/heartbeat", self._heartbeat)
-        app.router.add_delete("/v1/workers/{worker_id}", self._deregister)
+        app.router.add_post("/v1/workers", self._registrations.register)
+        app.router.add_put("/v1/workers/{worker_id}/heartbeat", self._registrations.heartbeat)
+        app.router.add_delete("/v1/workers/{worker_id}", self._registrations.deregister)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._runner.setup()
         await web.TCPSite(self._runner, "127.0.0.1", 0).start()
@@ -118,40 +118,12 @@ class _RegistrationApi:
 
     def forget(self, worker_id: str) -> None:
         """Remove ``worker_id`` from the registry now (its process is known to be dead)."""
-        registration = self._registrations.pop(worker_id, None)
-        if registration is not None:
-            registration.deregister()
+        self._registrations.forget(worker_id)
 
     async def _expire_loop(self) -> None:
         while True:
             await asyncio.sleep(self.expire_interval_s)
             self.registry.expire()
-
-    async def _register(self, request: web.Request) -> web.Response:
-        body = await read_model(request, RegisterRequest)
-        old = self._registrations.pop(body.worker.worker_id, None)
-        self._registrations[body.worker.worker_id] = self.registry.register(body.worker, body.ttl_s)
-        answer = WorkerView(worker=body.worker, slots_used=0)
-        return model_response(answer, status=200 if old is not None else 201)
-
-    async def _heartbeat(self, request: web.Request) -> web.Response:
-        worker_id = request.match_info["worker_id"]
-        registration = self._registrations.get(worker_id)
-        if registration is None:
-            return error_response(404, "not_found", f"worker {worker_id!r} is not registered")
-        try:
-            registration.heartbeat()
-        except TopKVError as exc:
-            self._registrations.pop(worker_id, None)
-            return error_response(404, "not_found", str(exc))
-        return model_response(HeartbeatAck(worker_id=worker_id, ok=True))
-
-    async def _deregister(self, request: web.Request) -> web.Response:
-        worker_id = request.match_info["worker_id"]
-        if worker_id not in self._registrations:
-            return error_response(404, "not_found", f"worker {worker_id!r} is not registered")
-        self.forget(worker_id)
-        return web.Response(status=204)
 
 
 class _CountingRemoteExecutor(RemoteExecutor):

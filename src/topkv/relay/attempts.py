@@ -7,15 +7,12 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
-from topkv.policy.clock import Clock
 from topkv.policy.select import Selection
 from topkv.policy.view import LinkLoadTracker
 from topkv.relay.bounded import bounded
-from topkv.relay.executor import AttemptPlan, Delivery, TransferExecutor, classify_failure
+from topkv.relay.context import RelayContext, RelayPart
+from topkv.relay.executor import AttemptPlan, Delivery, classify_failure
 from topkv.relay.handoff import Handoff
-from topkv.relay.liveview import LiveWorkerView
-from topkv.relay.metrics import RelayMetrics
-from topkv.relay.orchestrator_config import OrchestratorConfig
 from topkv.relay.routing import DecodeRouter
 from topkv.relay.runs import Exhausted, TransferRun
 from topkv.relay.transfers import (
@@ -24,7 +21,6 @@ from topkv.relay.transfers import (
     Outcome,
     TransferRecord,
     TransferState,
-    TransferTable,
 )
 from topkv.relay.workers import WorkerInfo
 
@@ -33,31 +29,21 @@ log = logging.getLogger(__name__)
 Sleep = Callable[[float], Awaitable[None]]
 
 
-class AttemptLoop:
+class AttemptLoop(RelayPart):
     """Runs one dispatched transfer to its end, releasing everything on every path."""
 
     def __init__(
         self,
-        executor: TransferExecutor,
-        config: OrchestratorConfig,
-        view: LiveWorkerView,
-        transfers: TransferTable,
+        context: RelayContext,
         router: DecodeRouter,
         handoff: Handoff,
         load: LinkLoadTracker,
-        metrics: RelayMetrics,
-        clock: Clock,
         sleep: Sleep,
     ) -> None:
-        self.executor = executor
-        self.config = config
-        self.view = view
-        self.transfers = transfers
+        super().__init__(context)
         self.router = router
         self.handoff = handoff
         self.load = load
-        self.metrics = metrics
-        self.clock = clock
         self.sleep = sleep
 
     async def run_transfer(self, record: TransferRecord, run: TransferRun) -> None:
@@ -95,7 +81,7 @@ class AttemptLoop:
             destination = self.view.get(decision.worker_id)
             if destination is None:  # left between routing and now
                 excluded.add(decision.worker_id)
-                self.router.slots.release(run)
+                self.slots.release(run)
                 continue
             record.destination = decision.worker_id
             record.policy = decision.selection.policy
@@ -147,7 +133,7 @@ class AttemptLoop:
                     detail = f"every transport to {destination.worker_id} failed ({detail})"
                 # destination died, or nothing works towards it: another decode worker
                 excluded.add(destination.worker_id)
-                self.router.slots.release(run)
+                self.slots.release(run)
                 if record.reroutes >= retry.max_reroutes:
                     raise Exhausted(kind, f"{detail}; gave up after {record.reroutes} reroute(s)")
                 record.reroutes += 1

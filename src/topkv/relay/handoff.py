@@ -8,52 +8,27 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable
+from dataclasses import replace
 
 from topkv.errors import TopKVError
-from topkv.policy.clock import Clock
 from topkv.relay.bounded import bounded
-from topkv.relay.completions import Completion, CompletionQueue
-from topkv.relay.executor import AttemptFailed, Delivery, TransferExecutor, classify_failure
-from topkv.relay.liveview import LiveWorkerView
-from topkv.relay.metrics import RelayMetrics
-from topkv.relay.orchestrator_config import OrchestratorConfig
+from topkv.relay.completions import Completion
+from topkv.relay.context import RelayPart
+from topkv.relay.executor import AttemptFailed, Delivery, classify_failure
 from topkv.relay.runs import Exhausted, TransferRun
-from topkv.relay.slots import DecodeSlots
 from topkv.relay.transfers import (
-    AttemptRecord,
     FailureKind,
     Outcome,
     TransferRecord,
     TransferState,
-    TransferTable,
 )
 from topkv.relay.workers import WorkerInfo
 
 log = logging.getLogger(__name__)
 
 
-class Handoff:
+class Handoff(RelayPart):
     """Verifies and hands off a landed copy, or cleans a transfer up."""
-
-    def __init__(
-        self,
-        executor: TransferExecutor,
-        config: OrchestratorConfig,
-        view: LiveWorkerView,
-        transfers: TransferTable,
-        slots: DecodeSlots,
-        completions: CompletionQueue,
-        metrics: RelayMetrics,
-        clock: Clock,
-    ) -> None:
-        self.executor = executor
-        self.config = config
-        self.view = view
-        self.transfers = transfers
-        self.slots = slots
-        self.completions = completions
-        self.metrics = metrics
-        self.clock = clock
 
     async def verify_and_hand_off(
         self,
@@ -80,7 +55,8 @@ class Handoff:
                 f"destination digest {delivery.digest:#018x} != source digest "
                 f"{record.source_digest or 0:#018x}"
             )
-            record.attempts[-1] = _with_error(record.attempts[-1], FailureKind.CHECKSUM, detail)
+            failed = replace(record.attempts[-1], error=FailureKind.CHECKSUM, detail=detail)
+            record.attempts[-1] = failed
             return FailureKind.CHECKSUM, detail
         if run.destination_left or not self.view.alive(destination.worker_id):
             # Verified, but the destination died before decode could take it; the source
@@ -174,24 +150,19 @@ class Handoff:
             ) from exc
 
     async def release_source(self, source: WorkerInfo, request_id: int) -> None:
-        try:
-            await bounded(
-                self.executor.release_source(source, request_id),
-                self.config.executor_call_timeout_s,
-            )
-        except (TopKVError, TimeoutError, OSError) as exc:
-            log.warning("release of request %s at %s failed: %s", request_id, source.worker_id, exc)
+        call = self.executor.release_source(source, request_id)
+        await self._quietly(call, f"release of request {request_id} at {source.worker_id}")
 
     async def discard(self, destination: WorkerInfo, request_id: int) -> None:
+        call = self.executor.discard_destination(destination, request_id)
+        await self._quietly(call, f"discard of request {request_id} at {destination.worker_id}")
+
+    async def _quietly(self, call: Awaitable[None], what: str) -> None:
+        """``await call``, bounded; a failure is logged, not raised (nothing depends on it)."""
         try:
-            await bounded(
-                self.executor.discard_destination(destination, request_id),
-                self.config.executor_call_timeout_s,
-            )
+            await bounded(call, self.config.executor_call_timeout_s)
         except (TopKVError, TimeoutError, OSError) as exc:
-            log.warning(
-                "discard of request %s at %s failed: %s", request_id, destination.worker_id, exc
-            )
+            log.warning("%s failed: %s", what, exc)
 
     async def destination_alive(self, destination: WorkerInfo, run: TransferRun) -> bool:
         if run.destination_left or not self.view.alive(destination.worker_id):
@@ -202,16 +173,3 @@ class Handoff:
             )
         except (TopKVError, TimeoutError, OSError):
             return False
-
-
-def _with_error(attempt: AttemptRecord, kind: FailureKind, detail: str) -> AttemptRecord:
-    return AttemptRecord(
-        number=attempt.number,
-        destination=attempt.destination,
-        transport=attempt.transport,
-        started_at=attempt.started_at,
-        ended_at=attempt.ended_at,
-        error=kind,
-        detail=detail,
-        medium=attempt.medium,
-    )

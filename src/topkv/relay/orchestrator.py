@@ -41,6 +41,7 @@ from topkv.policy.select import CostPolicy, TransportSelector
 from topkv.policy.view import LinkLoadTracker
 from topkv.relay.attempts import AttemptLoop, Sleep
 from topkv.relay.completions import Completion, CompletionQueue
+from topkv.relay.context import RelayContext
 from topkv.relay.executor import TransferExecutor
 from topkv.relay.handoff import Handoff
 from topkv.relay.liveview import LiveWorkerView
@@ -127,17 +128,7 @@ class Orchestrator:
         self._dispatchers: list[asyncio.Task[None]] = []
         self._slots = DecodeSlots(self.view)
         load = LinkLoadTracker()
-        self._router = DecodeRouter(
-            self.view,
-            self._slots,
-            self.transfers,
-            self.config,
-            selector=self.selector,
-            routing=self.routing,
-            pair_view=pair_view or PairViewCache(),
-            load=load,
-        )
-        self._handoff = Handoff(
+        context = RelayContext(
             executor,
             self.config,
             self.view,
@@ -147,17 +138,16 @@ class Orchestrator:
             self.metrics,
             self.clock,
         )
+        self._router = DecodeRouter(
+            context,
+            selector=self.selector,
+            routing=self.routing,
+            pair_view=pair_view or PairViewCache(),
+            load=load,
+        )
+        self._handoff = Handoff(context)
         self._attempts = AttemptLoop(
-            executor,
-            self.config,
-            self.view,
-            self.transfers,
-            self._router,
-            self._handoff,
-            load,
-            self.metrics,
-            self.clock,
-            sleep or asyncio.sleep,
+            context, self._router, self._handoff, load, sleep or asyncio.sleep
         )
         self._in_flight = 0
         self.max_in_flight_seen = 0

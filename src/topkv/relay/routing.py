@@ -11,37 +11,29 @@ from topkv.policy.errors import PolicyError
 from topkv.policy.route import RouteDecision, RouteScore, RoutingPolicy
 from topkv.policy.select import TransportSelector
 from topkv.policy.view import Endpoint, LinkLoad, LinkLoadTracker, PairView, TransferRequest
-from topkv.relay.liveview import LiveWorkerView
-from topkv.relay.orchestrator_config import OrchestratorConfig
+from topkv.relay.context import RelayContext, RelayPart
 from topkv.relay.pairs import CachingSelector
 from topkv.relay.runs import Exhausted, TransferRun
-from topkv.relay.slots import DecodeSlots
-from topkv.relay.transfers import FailureKind, TransferRecord, TransferState, TransferTable
+from topkv.relay.transfers import FailureKind, TransferRecord, TransferState
 from topkv.relay.workers import WorkerInfo
 
 WorkerPairView = Callable[[WorkerInfo, WorkerInfo], PairView]
 
 
-class DecodeRouter:
+class DecodeRouter(RelayPart):
     """Picks the decode worker for a transfer (``RoutingPolicy`` over ``selector``'s
     costs) and reserves one of its slots."""
 
     def __init__(
         self,
-        view: LiveWorkerView,
-        slots: DecodeSlots,
-        transfers: TransferTable,
-        config: OrchestratorConfig,
+        context: RelayContext,
         *,
         selector: TransportSelector,
         routing: RoutingPolicy,
         pair_view: WorkerPairView,
         load: LinkLoadTracker,
     ) -> None:
-        self.view = view
-        self.slots = slots
-        self.transfers = transfers
-        self.config = config
+        super().__init__(context)
         self.selector = selector
         self.routing = routing
         self._pair_view = pair_view

@@ -43,7 +43,7 @@ from topkv.relay.executor import AttemptFailed
 from topkv.relay.orchestrator import Orchestrator, OrchestratorClosed, QueueFull, UnknownWorker
 from topkv.relay.orchestrator_config import OrchestratorConfig
 from topkv.relay.pairs import PairViewCache, endpoint_of
-from topkv.relay.registry import MemoryRegistry, Registration, WorkerRegistry, open_registry
+from topkv.relay.registry import MemoryRegistry, WorkerRegistry, open_registry
 from topkv.relay.transfers import (
     DuplicateRequest,
     Outcome,
@@ -55,7 +55,6 @@ from topkv.relay.workers import WorkerInfo
 from topkv.service.api_models import (
     DecodeCheck,
     Health,
-    HeartbeatAck,
     PairPaths,
     PathView,
     Readiness,
@@ -67,8 +66,9 @@ from topkv.service.api_models import (
     WorkerView,
 )
 from topkv.service.httputil import error_response, int_param, model_response, read_model
-from topkv.service.messages import LayoutModel, PrefillRequest, RegisterRequest
+from topkv.service.messages import LayoutModel, PrefillRequest
 from topkv.service.openapi import openapi_document
+from topkv.service.registrations import Registrations
 from topkv.service.remote_executor import RemoteExecutor
 from topkv.service.worker_media import check_medium_name
 from topkv.topology.model import Cluster, TopologyError
@@ -134,7 +134,7 @@ class OrchestratorService:
             ["result"],
             registry=self.orchestrator.metrics.registry,
         )
-        self._registrations: dict[str, Registration] = {}
+        self._registrations = Registrations(self.registry)
         self._checks: OrderedDict[int, DecodeCheck] = OrderedDict()
         self._generate: OrderedDict[int, int] = OrderedDict()  # request -> new_tokens
         self._ids = itertools.count(1)
@@ -385,38 +385,19 @@ class OrchestratorService:
         refused = self._require_embedded()
         if refused is not None:
             return refused
-        body = await read_model(request, RegisterRequest)
-        old = self._registrations.pop(body.worker.worker_id, None)
-        registration = self.registry.register(body.worker, body.ttl_s)
-        self._registrations[body.worker.worker_id] = registration
-        status = 200 if old is not None else 201
-        return model_response(WorkerView(worker=body.worker, slots_used=0), status=status)
+        return await self._registrations.register(request)
 
     async def heartbeat_worker(self, request: web.Request) -> web.Response:
         refused = self._require_embedded()
         if refused is not None:
             return refused
-        worker_id = request.match_info["worker_id"]
-        registration = self._registrations.get(worker_id)
-        if registration is None:
-            return error_response(404, "not_found", f"worker {worker_id!r} is not registered")
-        try:
-            registration.heartbeat()
-        except TopKVError as exc:
-            self._registrations.pop(worker_id, None)
-            return error_response(404, "not_found", str(exc))
-        return model_response(HeartbeatAck(worker_id=worker_id, ok=True))
+        return await self._registrations.heartbeat(request)
 
     async def deregister_worker(self, request: web.Request) -> web.Response:
         refused = self._require_embedded()
         if refused is not None:
             return refused
-        worker_id = request.match_info["worker_id"]
-        registration = self._registrations.pop(worker_id, None)
-        if registration is None:
-            return error_response(404, "not_found", f"worker {worker_id!r} is not registered")
-        registration.deregister()
-        return web.Response(status=204)
+        return await self._registrations.deregister(request)
 
     async def topology(self, request: web.Request) -> web.Response:
         view = self.orchestrator.view
