@@ -68,7 +68,6 @@ from topkv.demo.topology import (
     two_node_cluster,
     worker_info,
 )
-from topkv.demo.worker import WIRE_DTYPES
 from topkv.demo.workload import find_trace, load_requests
 from topkv.engine.spec import DemoModelConfig
 from topkv.errors import TopKVError
@@ -79,6 +78,7 @@ from topkv.relay.orchestrator_config import OrchestratorConfig
 from topkv.relay.registry import MemoryRegistry
 from topkv.relay.transfers import Outcome, TransferState
 from topkv.relay.workers import WorkerInfo
+from topkv.service.engines import WIRE_DTYPES
 from topkv.transport.base import KVLayout
 
 now = time.perf_counter

@@ -51,6 +51,7 @@ from topkv.demo.protocol import (
     Take,
 )
 from topkv.relay.executor import classify_failure, kv_digest
+from topkv.service.engines import WIRE_DTYPES, wire_layout
 from topkv.transport.base import (
     KVLayout,
     LayerTensors,
@@ -65,7 +66,6 @@ from topkv.transport.emulated import EmulatedSource, LinkModel
 from topkv.wire import crc64
 
 Outbox = Any  # multiprocessing queues are not generic at runtime
-WIRE_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 now = time.perf_counter
 
 
@@ -143,13 +143,7 @@ class _Model:
         return self.engine.prompt_token_ids(length, seed, self.vocab)
 
     def layout(self, prompt_len: int) -> KVLayout:
-        return KVLayout(
-            num_layers=self.spec["layers"],
-            seq_len=prompt_len,
-            kv_heads=self.spec["kv_heads"],
-            head_dim=self.spec["head_dim"],
-            dtype=WIRE_DTYPES[self.spec["dtype"]],
-        )
+        return wire_layout(self.spec, prompt_len)
 
     def ready_event(self, worker_id: str, addresses: dict[str, str]) -> Ready:
         return Ready(

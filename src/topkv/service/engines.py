@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
 
+from topkv.engine.spec import KVModelSpec
 from topkv.errors import ConfigError
 from topkv.service.errors import ServiceError
 from topkv.service.kvstore import HeldKV, synthetic_layers
@@ -52,6 +53,17 @@ EngineKind = Literal["synthetic", "hf"]
 
 #: numpy dtype of a model's KV -> the wire's dtype name.
 WIRE_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+
+
+def wire_layout(spec: KVModelSpec, prompt_len: int) -> KVLayout:
+    """The wire layout of a ``prompt_len``-token prompt's KV under the model's ``spec``."""
+    return KVLayout(
+        num_layers=spec["layers"],
+        seq_len=prompt_len,
+        kv_heads=spec["kv_heads"],
+        head_dim=spec["head_dim"],
+        dtype=WIRE_DTYPES[spec["dtype"]],
+    )
 
 
 class EngineRequestError(ServiceError):
@@ -226,13 +238,7 @@ class HfEngine:
         }
 
     def layout(self, prompt_len: int) -> KVLayout:
-        return KVLayout(
-            num_layers=self.spec["layers"],
-            seq_len=prompt_len,
-            kv_heads=self.spec["kv_heads"],
-            head_dim=self.spec["head_dim"],
-            dtype=WIRE_DTYPES[self.spec["dtype"]],
-        )
+        return wire_layout(self.spec, prompt_len)
 
     def plan(self, request_id: int, body: PrefillRequest) -> PrefillPlan:
         from topkv.engine import prompt_token_ids

@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from aiohttp import web
-from aiohttp.typedefs import Handler
 from prometheus_client import CONTENT_TYPE_LATEST, Counter
 
 from topkv.errors import ConfigError, TopKVError
@@ -65,7 +64,13 @@ from topkv.service.api_models import (
     WorkerList,
     WorkerView,
 )
-from topkv.service.httputil import error_response, int_param, model_response, read_model
+from topkv.service.httputil import (
+    error_middleware,
+    error_response,
+    int_param,
+    model_response,
+    read_model,
+)
 from topkv.service.messages import LayoutModel, PrefillRequest
 from topkv.service.openapi import openapi_document
 from topkv.service.registrations import Registrations
@@ -475,27 +480,22 @@ class OrchestratorService:
         return web.json_response(openapi_document())
 
 
-@web.middleware
-async def _error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """TopKV errors become JSON answers with a specific status; nothing leaks a traceback."""
-    try:
-        return await handler(request)
-    except web.HTTPException:
-        raise
-    except UnknownRequest as exc:
-        return error_response(404, "not_found", str(exc), type(exc).__name__)
-    except (UnknownWorker, DuplicateRequest) as exc:
-        return error_response(409, "conflict", str(exc), type(exc).__name__)
-    except QueueFull as exc:
-        return error_response(429, "queue_full", str(exc), type(exc).__name__)
-    except OrchestratorClosed as exc:
-        return error_response(503, "unavailable", str(exc), type(exc).__name__)
-    except AttemptFailed as exc:
-        return error_response(502, exc.kind.value, str(exc), type(exc).__name__)
-    except ConfigError as exc:
-        return error_response(400, "bad_request", str(exc), type(exc).__name__)
-    except TopKVError as exc:
-        return error_response(500, "internal", str(exc), type(exc).__name__)
+def _special_error(exc: TopKVError) -> tuple[int, str] | None:
+    return (502, exc.kind.value) if isinstance(exc, AttemptFailed) else None
+
+
+#: TopKV errors become JSON answers with a specific status.
+_error_middleware = error_middleware(
+    (
+        (UnknownRequest, 404, "not_found"),
+        ((UnknownWorker, DuplicateRequest), 409, "conflict"),
+        (QueueFull, 429, "queue_full"),
+        (OrchestratorClosed, 503, "unavailable"),
+        (ConfigError, 400, "bad_request"),
+        (TopKVError, 500, "internal"),
+    ),
+    _special_error,
+)
 
 
 async def serve_orchestrator(

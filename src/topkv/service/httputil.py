@@ -6,16 +6,47 @@ import contextlib
 import json
 import os
 import tempfile
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
 from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
 from pydantic import BaseModel, ValidationError
 
+from topkv.errors import TopKVError
 from topkv.service.errors import ServiceError
 from topkv.service.messages import ErrorBody, ErrorResponse
 
 M = TypeVar("M", bound=BaseModel)
+
+#: An error type (or types), the HTTP status and the failure kind it is answered with.
+ErrorAnswer = tuple[type[TopKVError] | tuple[type[TopKVError], ...], int, str]
+#: Answers that depend on the error itself: (status, kind), or None to use the table.
+ErrorSpecial = Callable[[TopKVError], tuple[int, str] | None]
+
+
+def error_middleware(answers: Sequence[ErrorAnswer], special: ErrorSpecial) -> Middleware:
+    """A middleware that answers a TopKV error as JSON (:func:`error_response`) with the
+    status and kind of ``special`` or of its first entry in ``answers``; nothing leaks a
+    traceback. An error neither knows is raised on."""
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except web.HTTPException:
+            raise
+        except TopKVError as exc:
+            found = special(exc)
+            if found is None:
+                found = next((a[1:] for a in answers if isinstance(exc, a[0])), None)
+            if found is None:
+                raise
+            status, kind = found
+            return error_response(status, kind, str(exc), type(exc).__name__)
+
+    return middleware
 
 
 def error_response(status: int, kind: str, detail: str, type_: str = "") -> web.Response:

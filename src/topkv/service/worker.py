@@ -40,8 +40,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from aiohttp import web
-from aiohttp.typedefs import Handler
 
+from topkv.errors import TopKVError
 from topkv.relay.executor import classify_failure
 from topkv.relay.workers import WorkerInfo
 from topkv.service.engines import (
@@ -52,6 +52,7 @@ from topkv.service.engines import (
 )
 from topkv.service.errors import ServiceError
 from topkv.service.httputil import (
+    error_middleware,
     error_response,
     format_host,
     int_param,
@@ -628,27 +629,23 @@ def _summary(kv: HeldKV) -> KVSummary:
     )
 
 
-@web.middleware
-async def _error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Turn TopKV errors into JSON answers with a failure kind the executor understands."""
-    try:
-        return await handler(request)
-    except web.HTTPException:
-        raise
-    except UnknownKV as exc:
-        return error_response(404, "not_found", str(exc), type(exc).__name__)
-    except CapacityExceeded as exc:
-        return error_response(409, "capacity", str(exc), type(exc).__name__)
-    except EngineRequestError as exc:
-        return error_response(400, "bad_request", str(exc), type(exc).__name__)
-    except PrefillFailed as exc:
-        return error_response(502, "source_lost", str(exc), type(exc).__name__)
-    except TransportError as exc:
-        kind = classify_failure(exc)
-        status = 504 if isinstance(exc, TransferTimeout) else 502
-        return error_response(status, kind.value, str(exc), type(exc).__name__)
-    except ServiceError as exc:
-        return error_response(500, "internal", str(exc), type(exc).__name__)
+def _special_error(exc: TopKVError) -> tuple[int, str] | None:
+    if not isinstance(exc, TransportError):
+        return None
+    return (504 if isinstance(exc, TransferTimeout) else 502), classify_failure(exc).value
+
+
+#: TopKV errors become JSON answers with a failure kind the executor understands.
+_error_middleware = error_middleware(
+    (
+        (UnknownKV, 404, "not_found"),
+        (CapacityExceeded, 409, "capacity"),
+        (EngineRequestError, 400, "bad_request"),
+        (PrefillFailed, 502, "source_lost"),
+        (ServiceError, 500, "internal"),
+    ),
+    _special_error,
+)
 
 
 async def serve_worker(config: WorkerConfig, stop: asyncio.Event) -> None:
