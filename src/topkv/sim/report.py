@@ -105,19 +105,7 @@ class SimReport:
             d = r.details()
             counts = d["count_by_transport"]
             assert isinstance(counts, dict)
-            table.add_row(
-                r.policy,
-                "on" if r.pipelining else "off",
-                _ms(d["ttft_p50_ms"]),
-                _ms(d["ttft_p90_ms"]),
-                _ms(d["ttft_p99_ms"]),
-                _ms(d["tpot_p50_ms"]),
-                _ms(d["e2e_p50_ms"]),
-                f"{r.goodput_rps:.2f} rps",
-                _ms(d["exposed_transfer_p50_ms"]),
-                f"{r.kv_share_of_ttft:.1%}",
-                " ".join(f"{k}:{v}" for k, v in counts.items()),
-            )
+            table.add_row(*_figures(r, d, " rps"), " ".join(f"{k}:{v}" for k, v in counts.items()))
         return table
 
     def write(self, directory: Path, top_links: int = 8) -> list[Path]:
@@ -189,19 +177,7 @@ class SimReport:
                 "<tr>"
                 + "".join(
                     f"<td>{html.escape(str(v))}</td>"
-                    for v in (
-                        r.policy,
-                        "on" if r.pipelining else "off",
-                        _ms(d["ttft_p50_ms"]),
-                        _ms(d["ttft_p90_ms"]),
-                        _ms(d["ttft_p99_ms"]),
-                        _ms(d["tpot_p50_ms"]),
-                        _ms(d["e2e_p50_ms"]),
-                        f"{r.goodput_rps:.2f}",
-                        _ms(d["exposed_transfer_p50_ms"]),
-                        f"{r.kv_share_of_ttft:.1%}",
-                        d["count_by_transport"],
-                    )
+                    for v in (*_figures(r, d, ""), d["count_by_transport"])
                 )
                 + "</tr>"
             )
@@ -237,6 +213,22 @@ class SimReport:
             f"<h2>JSON</h2><pre>{html.escape(dumps(doc, indent=2))}</pre>"
             "</body></html>"
         )
+
+
+def _figures(r: PolicyResult, d: dict[str, object], rps: str) -> tuple[str, ...]:
+    """One policy's row in the summary table and the HTML report (less the transports)."""
+    return (
+        r.policy,
+        "on" if r.pipelining else "off",
+        _ms(d["ttft_p50_ms"]),
+        _ms(d["ttft_p90_ms"]),
+        _ms(d["ttft_p99_ms"]),
+        _ms(d["tpot_p50_ms"]),
+        _ms(d["e2e_p50_ms"]),
+        f"{r.goodput_rps:.2f}{rps}",
+        _ms(d["exposed_transfer_p50_ms"]),
+        f"{r.kv_share_of_ttft:.1%}",
+    )
 
 
 def _ms(value: object) -> str:
