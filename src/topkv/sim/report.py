@@ -87,19 +87,7 @@ class SimReport:
 
     def table(self) -> Table:
         table = Table(title=f"{self.model} on {self.cluster}: {self.trace}")
-        for col in (
-            "policy",
-            "pipelining",
-            "TTFT p50",
-            "TTFT p90",
-            "TTFT p99",
-            "TPOT p50",
-            "E2E p50",
-            "goodput",
-            "exposed xfer p50",
-            "KV share of TTFT",
-            "transports",
-        ):
+        for col in (*_COLUMNS, "goodput", "exposed xfer p50", "KV share of TTFT", "transports"):
             table.add_column(col, justify="left" if col in ("policy", "transports") else "right")
         for r in self.results:
             d = r.details()
@@ -184,13 +172,7 @@ class SimReport:
         head = "".join(
             f"<th>{h}</th>"
             for h in (
-                "policy",
-                "pipelining",
-                "TTFT p50",
-                "TTFT p90",
-                "TTFT p99",
-                "TPOT p50",
-                "E2E p50",
+                *_COLUMNS,
                 "goodput (rps)",
                 "exposed transfer p50",
                 "KV share of TTFT",
@@ -213,6 +195,10 @@ class SimReport:
             f"<h2>JSON</h2><pre>{html.escape(dumps(doc, indent=2))}</pre>"
             "</body></html>"
         )
+
+
+#: The first columns of the summary table and of the HTML report.
+_COLUMNS = ("policy", "pipelining", "TTFT p50", "TTFT p90", "TTFT p99", "TPOT p50", "E2E p50")
 
 
 def _figures(r: PolicyResult, d: dict[str, object], rps: str) -> tuple[str, ...]:
