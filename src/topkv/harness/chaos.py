@@ -52,7 +52,6 @@ from topkv.harness.chaos_config import REPORT_KEYS, ChaosConfig, ChaosReport
 from topkv.harness.chaos_inprocess import run_inprocess
 from topkv.relay.executor import AttemptFailed, AttemptPlan, Delivery
 from topkv.relay.orchestrator import Orchestrator
-from topkv.relay.orchestrator_config import OrchestratorConfig, RetryPolicy
 from topkv.relay.registry import MemoryRegistry
 from topkv.relay.transfers import Outcome
 from topkv.relay.workers import WorkerInfo
@@ -180,13 +179,7 @@ class _ProcessRun:
         self.orch = Orchestrator(
             self.registry,
             self.executor,
-            config=OrchestratorConfig(
-                max_in_flight=config.limit,
-                queue_size=config.limit,
-                retry=RetryPolicy(max_retries=2, backoff_s=config.backoff_s, max_reroutes=2),
-                attempt_timeout_s=config.attempt_timeout_s,
-                route_wait_s=30.0,
-            ),
+            config=config.orchestrator_config(),
         )
         # Twice the limit outstanding: the orchestrator's queue, not the driver, bounds
         # how many transfers run at once.

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Literal
 
 from topkv.errors import ConfigError
+from topkv.relay.orchestrator_config import OrchestratorConfig, RetryPolicy
 from topkv.transport.base import KVLayout
 
 REPORT_KEYS = (
@@ -61,6 +62,16 @@ class ChaosConfig:
             raise ConfigError(f"--size {self.size_bytes} is too small for {self.layers} layers")
         if self.kill_decoder_after is not None and self.kill_decoder_after < 0:
             raise ConfigError("--kill-decoder-after must be >= 0")
+
+    def orchestrator_config(self) -> OrchestratorConfig:
+        """The orchestrator's limits for this run (both modes)."""
+        return OrchestratorConfig(
+            max_in_flight=self.limit,
+            queue_size=self.limit,
+            retry=RetryPolicy(max_retries=2, backoff_s=self.backoff_s, max_reroutes=2),
+            attempt_timeout_s=self.attempt_timeout_s,
+            route_wait_s=30.0,
+        )
 
     def layout(self) -> KVLayout:
         """A KV layout of about ``size_bytes`` (K and V per layer, fp16, 8 heads x 128)."""

@@ -24,7 +24,6 @@ from topkv.relay.inprocess import (
     new_secret,
 )
 from topkv.relay.orchestrator import Orchestrator
-from topkv.relay.orchestrator_config import OrchestratorConfig, RetryPolicy
 from topkv.relay.registry import MemoryRegistry
 from topkv.relay.transfers import Outcome
 from topkv.relay.workers import WorkerInfo
@@ -116,14 +115,7 @@ async def run_inprocess(config: ChaosConfig) -> ChaosReport:
     base = random.Random(config.seed).randbytes(layout.tensor_bytes)
     report = ChaosReport()
     expected: dict[int, int] = {}
-    orch_config = OrchestratorConfig(
-        max_in_flight=config.limit,
-        queue_size=config.limit,
-        retry=RetryPolicy(max_retries=2, backoff_s=config.backoff_s, max_reroutes=2),
-        attempt_timeout_s=config.attempt_timeout_s,
-        route_wait_s=30.0,
-    )
-    orch = Orchestrator(cluster.registry, cluster.executor, config=orch_config)
+    orch = Orchestrator(cluster.registry, cluster.executor, config=config.orchestrator_config())
     by_id = {w.info.worker_id: w for w in cluster.decode}
     victim = cluster.decode[0] if config.kill_decoder_after is not None else None
     started = time.perf_counter()
