@@ -210,37 +210,26 @@ def inter_node_link(cluster: Cluster, a: GpuRef, b: GpuRef) -> Link:
     na, nb = cluster.node(a[0]), cluster.node(b[0])
     ga, gb = na.gpu(a[1]), nb.gpu(b[1])
     name_a, name_b = f"{na.name}/{ga.label}", f"{nb.name}/{gb.label}"
-    domains = {d.id: d for d in cluster.nvlink_domains}
-    dom = domains.get(ga.nvlink_domain or "")
-    if dom is not None and dom.kind == "NVL72" and ga.nvlink_domain == gb.nvlink_domain:
+
+    def link(type_: str, transport: Transport, bandwidth_gbps: float, source: str) -> Link:
         return Link(
             a=name_a,
             b=name_b,
-            type="MNNVL",
-            transport=Transport.NVSWITCH,
-            bandwidth_gbps=NVL72_BANDWIDTH_GBPS,
-            latency_s=LATENCY_S[Transport.NVSWITCH],
-            source=f"NVLink domain {dom.id}",
+            type=type_,
+            transport=transport,
+            bandwidth_gbps=bandwidth_gbps,
+            latency_s=LATENCY_S[transport],
+            source=source,
         )
+
+    domains = {d.id: d for d in cluster.nvlink_domains}
+    dom = domains.get(ga.nvlink_domain or "")
+    if dom is not None and dom.kind == "NVL72" and ga.nvlink_domain == gb.nvlink_domain:
+        return link("MNNVL", Transport.NVSWITCH, NVL72_BANDWIDTH_GBPS, f"NVLink domain {dom.id}")
     nics_a, nics_b = nearest_nics(na, a[1]), nearest_nics(nb, b[1])
     usable_a = [n for n in nics_a if n.state is None or n.active]
     usable_b = [n for n in nics_b if n.state is None or n.active]
     if usable_a and usable_b:
-        return Link(
-            a=name_a,
-            b=name_b,
-            type="NET",
-            transport=Transport.RDMA,
-            bandwidth_gbps=_rdma_bandwidth(usable_a + usable_b),
-            latency_s=LATENCY_S[Transport.RDMA],
-            source=f"{usable_a[0].name} -> {usable_b[0].name}",
-        )
-    return Link(
-        a=name_a,
-        b=name_b,
-        type="TCP",
-        transport=Transport.TCP,
-        bandwidth_gbps=TCP_BANDWIDTH_GBPS,
-        latency_s=LATENCY_S[Transport.TCP],
-        source="no RDMA NIC on one side",
-    )
+        bandwidth = _rdma_bandwidth(usable_a + usable_b)
+        return link("NET", Transport.RDMA, bandwidth, f"{usable_a[0].name} -> {usable_b[0].name}")
+    return link("TCP", Transport.TCP, TCP_BANDWIDTH_GBPS, "no RDMA NIC on one side")
