@@ -95,6 +95,23 @@ def test_numactl_truncated_distance_table() -> None:
 
 
 @pytest.mark.parametrize(
+    ("value", "mb"),
+    [
+        ("7B", 0),
+        ("3145728 B", 3),
+        ("2048 kB", 2),
+        ("512 MB", 512),
+        ("2 GiB", 2048),
+        ("1 TB", 1 << 20),
+    ],
+)
+def test_numactl_memory_units(value: str, mb: int) -> None:
+    # found by the mutation fuzzer: a bare byte unit ("7B") raised KeyError, not ParseError
+    (node,) = parse_numactl_hardware(f"node 0 cpus: 0 1\nnode 0 size: {value}\n")
+    assert node.memory_mb == mb
+
+
+@pytest.mark.parametrize(
     ("text", "message"),
     [
         ("", "empty"),

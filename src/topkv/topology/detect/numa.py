@@ -76,7 +76,14 @@ _AVAILABLE = re.compile(r"^\s*available\s*:\s*(\d+)\s+nodes?", re.IGNORECASE)
 _DIST_HEADER = re.compile(r"^\s*node((?:\s+\d+)+)\s*$", re.IGNORECASE)
 _DIST_ROW = re.compile(r"^\s*(\d+)\s*:((?:\s+\d+)+)\s*$")
 _MEMORY = re.compile(r"^(\d+)\s*([KMGT]?i?B)?$", re.IGNORECASE)
-_MB_PER_UNIT = {"": 1.0, "kb": 1 / 1024, "mb": 1.0, "gb": 1024.0, "tb": 1024.0 * 1024}
+_MB_PER_UNIT = {
+    "": 1.0,
+    "b": 1 / (1024 * 1024),
+    "kb": 1 / 1024,
+    "mb": 1.0,
+    "gb": 1024.0,
+    "tb": 1024.0 * 1024,
+}
 
 
 def _memory_mb(value: str, node: int) -> int:
