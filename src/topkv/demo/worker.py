@@ -63,6 +63,7 @@ from topkv.transport.base import (
     TransportMode,
 )
 from topkv.transport.emulated import EmulatedSource, LinkModel
+from topkv.transport.shm_segments import pid_alive
 from topkv.wire import crc64
 
 Outbox = Any  # multiprocessing queues are not generic at runtime
@@ -96,16 +97,6 @@ def layers_digest(layers: Sequence[Sequence[memoryview | np.ndarray]]) -> int:
     return kv_digest([crc64(t if isinstance(t, memoryview) else t.data) for p in layers for t in p])
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _watch_parent(main_pid: int, on_orphaned: Callable[[], None]) -> None:
     """Exit the worker when the main process (or our direct parent) is gone: no orphans."""
     parent = os.getppid()
@@ -113,7 +104,7 @@ def _watch_parent(main_pid: int, on_orphaned: Callable[[], None]) -> None:
     def loop() -> None:
         while True:
             time.sleep(0.5)
-            if os.getppid() != parent or not _alive(main_pid):
+            if os.getppid() != parent or not pid_alive(main_pid):
                 on_orphaned()
                 os._exit(3)
 

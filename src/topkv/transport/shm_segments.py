@@ -73,7 +73,8 @@ def map_segment(path: Path, nbytes: int) -> mmap.mmap:
     return mapping
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Is process ``pid`` running (one we may not signal counts as running)?"""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -89,7 +90,7 @@ def sweep_stale_segments(directory: Path = SEGMENT_DIR) -> list[str]:
     with contextlib.suppress(FileNotFoundError):
         for entry in os.scandir(directory):
             match = _SEGMENT_NAME.match(entry.name)
-            if match and not _pid_alive(int(match.group(1))):
+            if match and not pid_alive(int(match.group(1))):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(entry.path)
                     removed.append(entry.name)
