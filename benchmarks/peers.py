@@ -7,7 +7,8 @@ namespace (the script re-executes itself under ``unshare -n``; NIXL/UCX and Moon
 every interface for their data ports). Measured in the same run:
 
 * limits: one ``memcpy`` into a preallocated buffer; a raw blocking socket
-  ``sendall`` -> ``recv_into`` (both from :func:`topkv.transport.benchmark.run_transfer_benchmark`);
+  ``sendall`` -> ``recv_into`` (both from
+  :func:`topkv.harness.transfer_bench.run_transfer_benchmark`);
 * TopKV ``tcp`` and ``shm`` through their public API (``run_transfer_benchmark``: 32 per-layer
   frames, CRC-64 verified on receipt, acknowledged);
 * the peers at their best, through their own Python APIs: one NIXL ``WRITE`` of the whole
@@ -196,7 +197,7 @@ def run_raw_peer(engine: str, size: int, repeat: int) -> dict[str, Any]:
 
 
 def run_topkv(transport: str, size: int, repeat: int) -> dict[str, Any]:
-    from topkv.transport.benchmark import BenchConfig, run_transfer_benchmark
+    from topkv.harness.transfer_bench import BenchConfig, run_transfer_benchmark
 
     report = run_transfer_benchmark(BenchConfig(transport, size, repeat))
     return {"gbps": report["gbps"], "limit_gbps": report["limit_gbps"], "checksum": "verified"}
@@ -232,7 +233,7 @@ def main() -> None:
         return
     _in_private_netns()
     sys.path.insert(0, str(ROOT / "src"))
-    from topkv.transport.benchmark import bench_layout
+    from topkv.harness.transfer_bench import bench_layout
     from topkv.transport.engines import missing_package
 
     size = bench_layout(size).total_bytes  # the TopKV runs' exact size, for every row

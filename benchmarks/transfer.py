@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import sys
 
-from topkv.transport.benchmark import BenchConfig, crc_overhead_report, run_transfer_benchmark
+from topkv.harness.transfer_bench import BenchConfig, crc_overhead_report, run_transfer_benchmark
 
 
 def main() -> None:

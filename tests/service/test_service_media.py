@@ -30,7 +30,7 @@ from topkv.service.worker_media import (
     served_media,
     why_unavailable,
 )
-from topkv.transport import engines, registry
+from topkv.transport import catalog, engines
 from topkv.transport.base import KVLayout
 
 TOPKV = [sys.executable, "-c", "from topkv.cli.main import app; app()"]
@@ -150,12 +150,12 @@ def test_a_synthetic_worker_offering_every_medium_never_imports_torch() -> None:
 
 
 def test_register_all_registers_only_the_engines_named(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    monkeypatch.setattr(catalog, "_CATALOG", dict(catalog._CATALOG))
     probed: list[str] = []
     monkeypatch.setattr(engines, "missing_package", lambda name: probed.append(name))
-    before = set(registry.available())
+    before = set(catalog.available())
     assert engines.register_all(names=["nixl"]) == {"nixl": None}
-    assert probed == ["nixl"] and set(registry.available()) - before == {"nixl"}
+    assert probed == ["nixl"] and set(catalog.available()) - before == {"nixl"}
 
 
 def _worker(worker_id: str, host: str, media: tuple[str, ...], rdma: bool = False) -> WorkerInfo:

@@ -1,4 +1,4 @@
-"""The engine factory's registration: what ``register_all`` puts in the transport registry."""
+"""The engine factory's registration: what ``register_all`` puts in the transport catalog."""
 
 from __future__ import annotations
 
@@ -6,22 +6,22 @@ from typing import Any
 
 import pytest
 
-from topkv.transport import engines, registry
+from topkv.transport import catalog, engines
 from topkv.transport.base import TransportMode
 from topkv.transport.errors import TransportUnavailable
 
 
 @pytest.fixture(autouse=True)
-def scratch_registry(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Register into a copy, so other tests see the registry as it was."""
-    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+def scratch_catalog(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Register into a copy, so other tests see the catalog as it was."""
+    monkeypatch.setattr(catalog, "_CATALOG", dict(catalog._CATALOG))
 
 
 def test_registers_every_engine_and_reports_why_one_is_missing() -> None:
     reasons = engines.register_all()
     assert set(reasons) == {"nixl", "mooncake", "cuda"}
     for name, (mode, _) in engines.ENGINE_TRANSPORTS.items():
-        info = registry.get(name)
+        info = catalog.get(name)
         assert (info.name, info.mode, info.emulated) == (name, mode, False)
         assert reasons[name] == engines.missing_package(name)
         if reasons[name] is not None:
@@ -30,14 +30,14 @@ def test_registers_every_engine_and_reports_why_one_is_missing() -> None:
                 info.make_source(b"secret")
             with pytest.raises(TransportUnavailable, match=name):
                 info.make_sink(b"secret")
-    assert registry.get("cuda").mode is TransportMode.NVLINK
+    assert catalog.get("cuda").mode is TransportMode.NVLINK
     assert engines.register_all() == reasons  # idempotent
 
 
 def test_available_only_leaves_missing_engines_out() -> None:
-    before = set(registry.available())
+    before = set(catalog.available())
     reasons = engines.register_all(available_only=True)
-    added = set(registry.available()) - before
+    added = set(catalog.available()) - before
     assert added == {name for name, reason in reasons.items() if reason is None}
 
 
@@ -58,8 +58,8 @@ def test_registered_factories_bind_host_and_capacity(monkeypatch: pytest.MonkeyP
         engines.ENGINE_TRANSPORTS
     )
     for name in engines.ENGINE_TRANSPORTS:
-        registry.get(name).make_sink(b"s")
-        registry.get(name).make_source(b"s")
+        catalog.get(name).make_sink(b"s")
+        catalog.get(name).make_source(b"s")
     sinks = {name: options for kind, name, _, options in calls if kind == "sink"}
     sources = {name: options for kind, name, _, options in calls if kind == "source"}
     bound = {"host": "10.0.0.7", "capacity_bytes": 1 << 20}

@@ -53,7 +53,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Send a KV cache from this process to a spawned receiver; compare to the limit."""
         from topkv.harness.engine_bench import run_engine_benchmark
-        from topkv.transport.benchmark import (
+        from topkv.harness.transfer_bench import (
             BenchConfig,
             crc_overhead_report,
             run_transfer_benchmark,

@@ -45,8 +45,6 @@ import time
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Literal
 
-from aiohttp import web
-
 from topkv.errors import TopKVError
 from topkv.harness.chaos_config import REPORT_KEYS, ChaosConfig, ChaosReport
 from topkv.harness.chaos_inprocess import run_inprocess
@@ -58,9 +56,8 @@ from topkv.relay.workers import WorkerInfo
 from topkv.service.client import http_json
 from topkv.service.cluster import ClusterConfig, LocalCluster, WorkerPlacement
 from topkv.service.errors import ClusterError
-from topkv.service.httputil import site_url
 from topkv.service.messages import LayoutModel, PrefillRequest
-from topkv.service.registrations import Registrations
+from topkv.service.registrations import RegistrationServer
 from topkv.service.remote_executor import RemoteExecutor
 from topkv.service.worker import WorkerFaults
 from topkv.transport.shm import segments_of
@@ -79,50 +76,6 @@ async def run_chaos(config: ChaosConfig) -> ChaosReport:
 
 
 # -- processes mode --------------------------------------------------------------------------
-
-
-class _RegistrationApi:
-    """The embedded registry's worker endpoints, served from this process.
-
-    Workers in other processes register, heartbeat and deregister here (the same
-    ``/v1/workers`` endpoints as ``topkv orchestrator``). Holding every registration lets
-    the supervisor remove a worker it saw die (:meth:`forget`), as a node agent would.
-    """
-
-    def __init__(self, registry: MemoryRegistry, expire_interval_s: float = 0.25) -> None:
-        self.registry = registry
-        self.expire_interval_s = expire_interval_s
-        self._registrations = Registrations(registry)
-        self._runner: web.AppRunner | None = None
-        self._expire: asyncio.Task[None] | None = None
-
-    async def start(self) -> str:
-        app = web.Application()
-        app.router.add_post("/v1/workers", self._registrations.register)
-        app.router.add_put("/v1/workers/{worker_id}/heartbeat", self._registrations.heartbeat)
-        app.router.add_delete("/v1/workers/{worker_id}", self._registrations.deregister)
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", 0).start()
-        self._expire = asyncio.create_task(self._expire_loop())
-        return site_url(self._runner, "127.0.0.1")
-
-    async def close(self) -> None:
-        if self._expire is not None:
-            self._expire.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._expire
-        if self._runner is not None:
-            await self._runner.cleanup()
-
-    def forget(self, worker_id: str) -> None:
-        """Remove ``worker_id`` from the registry now (its process is known to be dead)."""
-        self._registrations.forget(worker_id)
-
-    async def _expire_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.expire_interval_s)
-            self.registry.expire()
 
 
 class _CountingRemoteExecutor(RemoteExecutor):
@@ -174,7 +127,7 @@ class _ProcessRun:
         self.layout = config.layout()
         self.report = ChaosReport()
         self.registry = MemoryRegistry()
-        self.api = _RegistrationApi(self.registry)
+        self.api = RegistrationServer(self.registry)
         self.executor = _CountingRemoteExecutor(call_timeout_s=10.0)
         self.orch = Orchestrator(
             self.registry,

@@ -90,7 +90,7 @@ def run_engine_benchmark(
     """
     import statistics
 
-    from topkv.transport.benchmark import bench_layout
+    from topkv.harness.transfer_bench import bench_layout
 
     if transport not in ENGINE_TRANSPORTS:
         raise TransportUnavailable(

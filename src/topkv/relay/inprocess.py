@@ -26,7 +26,7 @@ from topkv.relay.executor import AttemptFailed, AttemptPlan, Delivery, kv_digest
 from topkv.relay.registry import Registration, WorkerRegistry
 from topkv.relay.transfers import FailureKind
 from topkv.relay.workers import WorkerInfo
-from topkv.transport import registry as transports
+from topkv.transport import catalog as transports
 from topkv.transport.base import (
     Buffer,
     KVLayout,

@@ -1,17 +1,21 @@
 """The worker registration endpoints over an embedded registry (:class:`Registrations`):
 ``POST /v1/workers``, ``PUT /v1/workers/{id}/heartbeat``, ``DELETE /v1/workers/{id}``.
 
-Served by ``topkv orchestrator`` (embedded registry) and by the chaos supervisor; both
-hold every worker's registration handle here."""
+Served by ``topkv orchestrator`` (embedded registry) and, through
+:class:`RegistrationServer`, by the chaos supervisor and the demo; all hold every worker's
+registration handle here."""
 
 from __future__ import annotations
+
+import asyncio
+import contextlib
 
 from aiohttp import web
 
 from topkv.errors import TopKVError
-from topkv.relay.registry import Registration, WorkerRegistry
+from topkv.relay.registry import MemoryRegistry, Registration, WorkerRegistry
 from topkv.service.api_models import HeartbeatAck, WorkerView
-from topkv.service.httputil import error_response, model_response, read_model
+from topkv.service.httputil import error_response, model_response, read_model, site_url
 from topkv.service.messages import RegisterRequest
 
 
@@ -61,3 +65,48 @@ class Registrations:
 
 def not_registered(worker_id: str) -> web.Response:
     return error_response(404, "not_found", f"worker {worker_id!r} is not registered")
+
+
+class RegistrationServer:
+    """An embedded registry's worker endpoints, served from this process on loopback.
+
+    Workers in other processes register, heartbeat and deregister here (the same
+    ``/v1/workers`` endpoints as ``topkv orchestrator``); expired leases are swept every
+    ``expire_interval_s``. Holding every registration lets a supervisor (chaos, the demo)
+    remove a worker it saw die (:meth:`forget`), as a node agent would.
+    """
+
+    def __init__(self, registry: MemoryRegistry, expire_interval_s: float = 0.25) -> None:
+        self.registry = registry
+        self.expire_interval_s = expire_interval_s
+        self._registrations = Registrations(registry)
+        self._runner: web.AppRunner | None = None
+        self._expire: asyncio.Task[None] | None = None
+
+    async def start(self) -> str:
+        app = web.Application()
+        app.router.add_post("/v1/workers", self._registrations.register)
+        app.router.add_put("/v1/workers/{worker_id}/heartbeat", self._registrations.heartbeat)
+        app.router.add_delete("/v1/workers/{worker_id}", self._registrations.deregister)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", 0).start()
+        self._expire = asyncio.create_task(self._expire_loop())
+        return site_url(self._runner, "127.0.0.1")
+
+    async def close(self) -> None:
+        if self._expire is not None:
+            self._expire.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._expire
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    def forget(self, worker_id: str) -> None:
+        """Remove ``worker_id`` from the registry now (its process is known to be dead)."""
+        self._registrations.forget(worker_id)
+
+    async def _expire_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.expire_interval_s)
+            self.registry.expire()

@@ -91,7 +91,7 @@ from topkv.service.worker_media import (
     resolve_media,
     sink_medium,
 )
-from topkv.transport import registry as transports
+from topkv.transport import catalog as transports
 from topkv.transport.base import (
     OutgoingTransfer,
     TransferDescriptor,
@@ -122,13 +122,15 @@ def _wildcard(host: str) -> bool:
 class WorkerService:
     """A running worker: engine, sinks, KV store, control API and registration."""
 
-    def __init__(self, config: WorkerConfig) -> None:
+    def __init__(self, config: WorkerConfig, registrar: Registrar | None = None) -> None:
+        """``registrar``: how the worker registers (default: from ``config``'s orchestrator
+        URL or etcd registry; in-process users may hand one over a registry they hold)."""
         if not config.secret:
             raise ServiceError(
                 f"a worker needs the cluster's transport secret: set {SECRET_ENV} "
                 "(topkv cluster up does this for its workers)"
             )
-        if not config.orchestrator_url and not config.registry_url:
+        if registrar is None and not config.orchestrator_url and not config.registry_url:
             raise ServiceError("give the worker --orchestrator URL or --registry etcd://HOST:PORT")
         self.config = config
         self.worker_id = config.resolved_worker_id()
@@ -144,7 +146,7 @@ class WorkerService:
         self._outgoing: dict[int, OutgoingTransfer] = {}
         self._prefills: set[asyncio.Future[None]] = set()
         self._runner: web.AppRunner | None = None
-        self._registrar: Registrar | None = None
+        self._registrar: Registrar | None = registrar
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._advertise = config.resolved_advertise_host()
         self._tcp_address = ""
@@ -195,7 +197,8 @@ class WorkerService:
             address=f"{format_host(advertise)}:{tcp_port}" if tcp_port else "",
             control_url=control_url,
         )
-        self._registrar = open_registrar(cfg.orchestrator_url, cfg.registry_url)
+        if self._registrar is None:
+            self._registrar = open_registrar(cfg.orchestrator_url, cfg.registry_url)
         await self._registrar.register(self.info, cfg.ttl_s)
         self._heartbeat_task = asyncio.create_task(self._heartbeat_loop())
         if cfg.ready_file is not None:
@@ -243,6 +246,21 @@ class WorkerService:
             self._compute.shutdown(wait=False, cancel_futures=True)
         if self.engine is not None:
             self.engine.close()
+
+    async def kill(self) -> None:
+        """Die the way a crashed worker dies (for fault tests and chaos): no deregistration,
+        no drain. Heartbeats stop, the control API and every sink close under the transfers in
+        flight, and every held copy is lost. The registry forgets the worker when its TTL
+        runs out, as it would a dead process."""
+        if self._heartbeat_task is not None:
+            self._heartbeat_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._heartbeat_task
+            self._heartbeat_task = None
+        if self._registrar is not None:
+            await self._registrar.close()
+            self._registrar = None
+        await self.stop()
 
     async def _heartbeat_loop(self) -> None:
         assert self._registrar is not None and self.info is not None

@@ -1,6 +1,6 @@
 """Which media a worker offers, which are installed here, and which sink each one lands at.
 
-A *medium* is a registered transport (:mod:`topkv.transport.registry`). A worker offers the
+A *medium* is a registered transport (:mod:`topkv.transport.catalog`). A worker offers the
 real ones its host has: ``tcp`` and ``shm`` always, ``nixl`` and ``mooncake`` when their
 packages load (``scripts/install-peers.sh``), ``cuda`` on a GPU host; it lists them in its
 registration (:attr:`~topkv.relay.workers.WorkerCapabilities.media`). The emulated media
@@ -18,7 +18,7 @@ from glob import glob
 
 from topkv.errors import ConfigError
 from topkv.relay.workers import WorkerInfo
-from topkv.transport import registry as transports
+from topkv.transport import catalog as transports
 from topkv.transport.engine import INSTALL_HINT
 from topkv.transport.engines import ENGINE_TRANSPORTS, missing_package, register_all
 from topkv.transport.errors import TransportUnavailable

@@ -4,7 +4,7 @@ The only module that imports the engines (:mod:`~topkv.transport.nixl`,
 :mod:`~topkv.transport.mooncake`, :mod:`~topkv.transport.cuda`), lazily, once their package
 is known to load: ``make_source`` / ``make_sink`` build one, :func:`missing_package` says why
 one cannot be built here, and :func:`register_all` adds them to
-:mod:`topkv.transport.registry`.
+:mod:`topkv.transport.catalog`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import importlib.util
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from topkv.transport import registry
+from topkv.transport import catalog
 from topkv.transport.base import TransferSink, TransferSource, TransportMode
 from topkv.transport.engine import INSTALL_HINT
 from topkv.transport.errors import TransportUnavailable
@@ -91,7 +91,7 @@ def register_all(
     available_only: bool = False,
     names: Iterable[str] | None = None,
 ) -> dict[str, str | None]:
-    """Add nixl, mooncake and cuda to :mod:`topkv.transport.registry`; idempotent.
+    """Add nixl, mooncake and cuda to :mod:`topkv.transport.catalog`; idempotent.
 
     Returns ``{name: None}`` for each engine that can run here and ``{name: reason}`` (what
     is missing and how to install it) for the others. A missing engine is still registered
@@ -120,8 +120,8 @@ def register_all(
         if reason is not None and available_only:
             continue
         source_options: dict[str, Any] = {"host": host} if name == "mooncake" else {}
-        registry.register(
-            registry.TransportInfo(
+        catalog.register(
+            catalog.TransportInfo(
                 name=name,
                 mode=mode,
                 emulated=False,

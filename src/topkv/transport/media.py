@@ -1,7 +1,7 @@
 """Which medium carries each path class, in one place.
 
 The selection policy names *path classes* (``nvlink``, ``nvswitch``, ``xgmi``, ``pcie``,
-``rdma``, ``tcp``); a *medium* is a registered transport (:mod:`topkv.transport.registry`)
+``rdma``, ``tcp``); a *medium* is a registered transport (:mod:`topkv.transport.catalog`)
 that moves the bytes. On one host the same-host classes ride on shared memory and every
 other class on TCP; classes faster than host memory are emulated (paced shm), RDMA is
 emulated over TCP (no RDMA hardware is assumed).

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from topkv.transport import registry
+from topkv.transport import catalog
 from topkv.transport.base import (
     KVLayout,
     TransferDescriptor,
@@ -76,7 +76,7 @@ def _make_sink(medium: str, secret: bytes, verify: bool) -> TransferSink:
 
 
 def _inner_medium(name: str) -> str:
-    info = registry.get(name)
+    info = catalog.get(name)
     if not info.emulated:
         return info.name
     return real_medium(info.mode.value)
@@ -182,7 +182,7 @@ def _transfer_once(
 
 def _run(config: BenchConfig, variants: tuple[str, ...]) -> dict[str, Any]:
     """Interleave limit and transfer runs (one per CRC variant); medians and reports."""
-    info = registry.get(config.transport)
+    info = catalog.get(config.transport)
     layout = bench_layout(config.size_bytes)
     size = layout.total_bytes
     medium = _inner_medium(info.name)

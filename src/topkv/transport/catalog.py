@@ -28,11 +28,11 @@ class TransportInfo:
     description: str
 
 
-_REGISTRY: dict[str, TransportInfo] = {}
+_CATALOG: dict[str, TransportInfo] = {}
 
 
 def register(info: TransportInfo) -> None:
-    _REGISTRY[info.name] = info
+    _CATALOG[info.name] = info
 
 
 def _emulated(mode: TransportMode, dilation: float = 1.0) -> TransportInfo:
@@ -60,15 +60,15 @@ for _mode in TransportMode:
 
 
 def available() -> dict[str, TransportInfo]:
-    return dict(_REGISTRY)
+    return dict(_CATALOG)
 
 
 def get(name: str) -> TransportInfo:
     try:
-        return _REGISTRY[name]
+        return _CATALOG[name]
     except KeyError:
         raise TransportUnavailable(
-            f"unknown transport {name!r}; available: {', '.join(sorted(_REGISTRY))}"
+            f"unknown transport {name!r}; available: {', '.join(sorted(_CATALOG))}"
         ) from None
 
 
