@@ -58,6 +58,7 @@ from topkv.transport.errors import (
     TransportError,
     TransportUnavailable,
 )
+from topkv.transport.sending import check_layer_tensors
 
 DEFAULT_ARENA_BYTES = 1 << 30
 POLL_SECONDS = 20e-6
@@ -139,6 +140,11 @@ def flat_bytes(tensor: Any) -> Any:
         return torch.frombuffer(view.cast("B"), dtype=torch.uint8)
 
 
+def _numel(flat: Any) -> int:
+    """Bytes of a tensor :func:`flat_bytes` returned (one byte per element)."""
+    return int(flat.numel())
+
+
 class _PinnedStaging:
     """A growing page-locked host buffer, one per stream user."""
 
@@ -218,24 +224,8 @@ class _CudaSourceEngine(SourceEngine):
         tensors: Sequence[Any],
         crcs: Sequence[int] | None,
     ) -> EngineLayer:
-        layout = descriptor.layout
-        if not 0 <= layer < layout.num_layers:
-            raise FrameRejected(f"layer {layer} out of range 0..{layout.num_layers - 1}")
-        if len(tensors) != layout.tensors_per_layer:
-            raise FrameRejected(
-                f"layer {layer}: {len(tensors)} tensors given, layout needs "
-                f"{layout.tensors_per_layer}"
-            )
-        flat = tuple(flat_bytes(t) for t in tensors)
-        for index, tensor in enumerate(flat):
-            if tensor.numel() != layout.tensor_bytes:
-                raise FrameRejected(
-                    f"layer {layer} tensor {index}: {tensor.numel()} bytes, layout says "
-                    f"{layout.tensor_bytes}"
-                )
-        if crcs is not None and len(crcs) != len(flat):
-            raise FrameRejected(f"layer {layer}: {len(crcs)} CRCs for {len(flat)} tensors")
-        return EngineLayer(layer, flat, tuple(crcs) if crcs is not None else None)
+        flat, checked = check_layer_tensors(descriptor, layer, tensors, crcs, flat_bytes, _numel)
+        return EngineLayer(layer, flat, checked)
 
     def crc(self, tensor: Any) -> int:
         with self._lock:

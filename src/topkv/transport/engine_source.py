@@ -40,7 +40,7 @@ from topkv.transport.errors import (
 )
 from topkv.transport.handshake import client_handshake
 from topkv.transport.receiving import error_from_ack, read_message
-from topkv.transport.sending import QueuedOutgoing
+from topkv.transport.sending import ControlConnections, QueuedOutgoing
 from topkv.transport.sockio import send_buffers
 
 
@@ -287,7 +287,7 @@ class EngineSource(TransferSource):
         self.connect_timeout = connect_timeout
         self.io_timeout = io_timeout
         self.ack_timeout = ack_timeout
-        self._conns: dict[tuple[str, int], _Connection] = {}
+        self._conns: ControlConnections[tuple[str, int], _Connection] = ControlConnections()
         self._lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
 
@@ -302,28 +302,17 @@ class EngineSource(TransferSource):
 
     def _connection(self, destination: str) -> _Connection:
         key = parse_engine_address(destination, self.scheme)
-        with self._lock:
-            conn = self._conns.get(key)
-            if conn is None or conn.dead is not None:
-                conn = _Connection(self, *key)
-                self._conns[key] = conn
-            return conn
+        return self._conns.get(key, lambda: _Connection(self, *key))
 
     def forget(self, conn: _Connection) -> None:
-        with self._lock:
-            for key, known in list(self._conns.items()):
-                if known is conn:
-                    del self._conns[key]
+        self._conns.forget(conn)
 
     def open(self, descriptor: TransferDescriptor, destination: str) -> OutgoingTransfer:
         framing.validate_layout(descriptor.layout)
         return _EngineOutgoing(self._connection(destination), descriptor)
 
     def close(self) -> None:
-        with self._lock:
-            conns = list(self._conns.values())
-        for conn in conns:
-            conn.close()
+        self._conns.close()
         with self._lock:
             executor, self._executor = self._executor, None
         if executor is not None:

@@ -6,10 +6,10 @@ import contextlib
 import threading
 import time
 from abc import abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 from topkv.transport import framing
 from topkv.transport.base import (
@@ -40,13 +40,24 @@ def as_bytes_view(buffer: Buffer) -> memoryview:
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
 
-def check_layer(
+TensorT = TypeVar("TensorT")
+FlatT = TypeVar("FlatT")
+
+
+def check_layer_tensors(
     descriptor: TransferDescriptor,
     layer: int,
-    tensors: Sequence[Buffer],
+    tensors: Sequence[TensorT],
     crcs: Sequence[int] | None,
-) -> LayerItem:
-    """Validate a ``send_layer`` call against the transfer's layout."""
+    flatten: Callable[[TensorT], FlatT],
+    nbytes: Callable[[FlatT], int],
+) -> tuple[tuple[FlatT, ...], tuple[int, ...] | None]:
+    """Validate a ``send_layer`` call against the transfer's layout: the layer index, the
+    tensor count, each tensor's size in bytes after ``flatten`` and the CRC count.
+
+    Returns the flattened tensors and the CRCs as a tuple (None when not given). Host
+    transports flatten to byte views (:func:`check_layer`), the CUDA engine to device
+    tensors."""
     layout = descriptor.layout
     if not 0 <= layer < layout.num_layers:
         raise FrameRejected(f"layer {layer} out of range 0..{layout.num_layers - 1}")
@@ -54,16 +65,33 @@ def check_layer(
         raise FrameRejected(
             f"layer {layer}: {len(tensors)} tensors given, layout needs {layout.tensors_per_layer}"
         )
-    views = tuple(as_bytes_view(t) for t in tensors)
-    for index, view in enumerate(views):
-        if view.nbytes != layout.tensor_bytes:
+    flat = tuple(flatten(t) for t in tensors)
+    for index, tensor in enumerate(flat):
+        size = nbytes(tensor)
+        if size != layout.tensor_bytes:
             raise FrameRejected(
-                f"layer {layer} tensor {index}: {view.nbytes} bytes, layout says "
-                f"{layout.tensor_bytes}"
+                f"layer {layer} tensor {index}: {size} bytes, layout says {layout.tensor_bytes}"
             )
-    if crcs is not None and len(crcs) != len(views):
-        raise FrameRejected(f"layer {layer}: {len(crcs)} CRCs for {len(views)} tensors")
-    return LayerItem(layer, views, tuple(crcs) if crcs is not None else None)
+    if crcs is not None and len(crcs) != len(flat):
+        raise FrameRejected(f"layer {layer}: {len(crcs)} CRCs for {len(flat)} tensors")
+    return flat, tuple(crcs) if crcs is not None else None
+
+
+def _view_bytes(view: memoryview) -> int:
+    return view.nbytes
+
+
+def check_layer(
+    descriptor: TransferDescriptor,
+    layer: int,
+    tensors: Sequence[Buffer],
+    crcs: Sequence[int] | None,
+) -> LayerItem:
+    """Validate a ``send_layer`` call against the transfer's layout."""
+    views, checked = check_layer_tensors(
+        descriptor, layer, tensors, crcs, as_bytes_view, _view_bytes
+    )
+    return LayerItem(layer, views, checked)
 
 
 def layer_crcs(item: LayerItem) -> tuple[int, ...]:
@@ -149,3 +177,53 @@ class QueuedOutgoing(OutgoingTransfer, Generic[ItemT]):
                     self._fail(FrameRejected(f"finish() with {missing} layers not sent"))
                 self._enqueue_finish()
         return self._future
+
+
+class ControlConnection(Protocol):
+    """What :class:`ControlConnections` needs of a source's connection to one sink."""
+
+    @property
+    def dead(self) -> TransportError | None:
+        """Why the connection died, or None while it is usable."""
+
+    def close(self) -> None:
+        """Close the connection (it forgets itself from its pool on the way)."""
+
+
+KeyT = TypeVar("KeyT", bound=Hashable)
+ConnT = TypeVar("ConnT", bound=ControlConnection)
+
+
+class ControlConnections(Generic[KeyT, ConnT]):
+    """A source's control connections, one per sink: reused while alive, replaced once dead.
+
+    A connection connects under the pool's lock, so two transfers to one new sink share
+    one connection; a dying connection calls :meth:`forget` itself.
+    """
+
+    def __init__(self) -> None:
+        self._conns: dict[KeyT, ConnT] = {}
+        self._lock = threading.Lock()
+
+    def get(self, key: KeyT, connect: Callable[[], ConnT]) -> ConnT:
+        """The live connection to ``key``, made by ``connect`` when there is none."""
+        with self._lock:
+            conn = self._conns.get(key)
+            if conn is None or conn.dead is not None:
+                conn = connect()
+                self._conns[key] = conn
+            return conn
+
+    def forget(self, conn: ConnT) -> None:
+        """Drop ``conn`` (it died or closed); a later :meth:`get` connects again."""
+        with self._lock:
+            for key, known in list(self._conns.items()):
+                if known is conn:
+                    del self._conns[key]
+
+    def close(self) -> None:
+        """Close every connection (outside the lock: each one calls :meth:`forget`)."""
+        with self._lock:
+            conns = list(self._conns.values())
+        for conn in conns:
+            conn.close()

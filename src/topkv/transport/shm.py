@@ -62,7 +62,7 @@ from topkv.transport.receiving import (
     read_message,
     status_for,
 )
-from topkv.transport.sending import LayerItem, QueuedOutgoing, check_layer
+from topkv.transport.sending import ControlConnections, LayerItem, QueuedOutgoing, check_layer
 from topkv.transport.shm_segments import (
     SEGMENT_DIR,
     create_segment,
@@ -359,33 +359,21 @@ class ShmSource(TransferSource):
         self.ack_timeout = ack_timeout
         self.max_segments = max_segments
         self.segment_dir = segment_dir
-        self._conns: dict[str, _Connection] = {}
-        self._lock = threading.Lock()
+        self._conns: ControlConnections[str, _Connection] = ControlConnections()
         sweep_stale_segments(segment_dir)
 
     def _connection(self, destination: str) -> _Connection:
         path = parse_shm_address(destination)
-        with self._lock:
-            conn = self._conns.get(path)
-            if conn is None or conn.dead is not None:
-                conn = _Connection(self, path)
-                self._conns[path] = conn
-            return conn
+        return self._conns.get(path, lambda: _Connection(self, path))
 
     def forget(self, conn: _Connection) -> None:
-        with self._lock:
-            for path, known in list(self._conns.items()):
-                if known is conn:
-                    del self._conns[path]
+        self._conns.forget(conn)
 
     def open(self, descriptor: TransferDescriptor, destination: str) -> OutgoingTransfer:
         return _ShmOutgoing(self._connection(destination), descriptor)
 
     def close(self) -> None:
-        with self._lock:
-            conns = list(self._conns.values())
-        for conn in conns:
-            conn.close()
+        self._conns.close()
 
 
 # -- receiver --------------------------------------------------------------------------------
