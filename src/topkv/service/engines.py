@@ -92,6 +92,10 @@ class WorkerEngine(Protocol):
 
     def decode(self, kv: HeldKV, first_token: int, max_new_tokens: int) -> list[int]: ...
 
+    def generate(self, plan: PrefillPlan, max_new_tokens: int) -> list[int]:
+        """Prefill and decode ``plan``'s prompt here alone (the single-process reference)."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -172,6 +176,9 @@ class SyntheticEngine:
             "this worker runs the synthetic engine, which cannot decode; start it with "
             "--engine hf --model-path DIR | --demo-model SEED"
         )
+
+    def generate(self, plan: PrefillPlan, max_new_tokens: int) -> list[int]:
+        return self.decode(HeldKV.producing(-1, plan.model_id, plan.layout), 0, max_new_tokens)
 
     def close(self) -> None:
         return None
@@ -302,6 +309,14 @@ class HfEngine:
                     layers, first_token, expected.seq_len, max_new_tokens
                 )
         return [int(t) for t in tokens]
+
+    def generate(self, plan: PrefillPlan, max_new_tokens: int) -> list[int]:
+        from topkv.engine import reference_generate
+
+        with self._lock:
+            return [
+                int(t) for t in reference_generate(self.loaded, list(plan.prompt), max_new_tokens)
+            ]
 
     def close(self) -> None:
         return None

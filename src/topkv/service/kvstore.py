@@ -11,6 +11,7 @@ which bytes a request *should* have. The real-model path lives in :mod:`topkv.en
 from __future__ import annotations
 
 import threading
+import time
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ import numpy as np
 
 from topkv.relay.executor import kv_digest
 from topkv.service.errors import ServiceError
+from topkv.service.messages import KVSummary, KVTimings, LayoutModel
 from topkv.transport.base import KVLayout, LayerTensors
 from topkv.wire import crc64
 
@@ -57,6 +59,14 @@ class HeldKV:
     complete: bool = True
     first_token: int | None = None
     error: str | None = None
+    #: ``time.perf_counter()`` stamps: the engine took the prefill, its forward pass ended,
+    #: each layer was published (prefill); each layer landed verified, the whole copy was
+    #: verified (received; None where the medium reports no per-layer arrival)
+    forward_start_s: float | None = None
+    forward_end_s: float | None = None
+    ready_s: list[float] = field(default_factory=list)
+    arrivals_s: tuple[float | None, ...] = ()
+    verified_s: float | None = None
     _cond: threading.Condition = field(default_factory=threading.Condition, repr=False)
     _listeners: list[LayerListener] = field(default_factory=list, repr=False)
     _on_done: list[Callable[[], None]] = field(default_factory=list, repr=False)
@@ -98,6 +108,7 @@ class HeldKV:
                 )
             self.layers.append(tensors)
             self.crcs.append(crcs)
+            self.ready_s.append(time.perf_counter())
             for listener in self._listeners:
                 listener(index, tensors, crcs)
 
@@ -267,3 +278,25 @@ class KVStore:
             held, self._held = list(self._held.values()), {}
         for kv in held:
             kv.free()
+
+
+def summarize(kv: HeldKV) -> KVSummary:
+    """The JSON summary of a held KV (what ``GET /v1/kv/{id}`` answers)."""
+    return KVSummary(
+        request_id=kv.request_id,
+        model_id=kv.model_id,
+        layout=LayoutModel.of(kv.layout),
+        size_bytes=kv.layout.total_bytes,
+        digest=kv.digest if kv.complete else 0,
+        origin="prefill" if kv.origin == "prefill" else "received",
+        medium=kv.medium,
+        complete=kv.complete,
+        first_token=kv.first_token,
+        timings=KVTimings(
+            forward_start_s=kv.forward_start_s,
+            forward_end_s=kv.forward_end_s,
+            layer_ready_s=list(kv.ready_s),
+            arrivals_s=list(kv.arrivals_s),
+            verified_s=kv.verified_s,
+        ),
+    )

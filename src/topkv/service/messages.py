@@ -134,6 +134,37 @@ class KVSummary(BaseModel):
     first_token: int | None = Field(
         default=None, description="the token prefill produced (model engines)"
     )
+    kept: bool = Field(
+        default=True,
+        description="false for a drained copy (ReceiveRequest keep=false): verified, "
+        "timestamped and released at once; its digest is not computed (0)",
+    )
+    timings: KVTimings = Field(default_factory=lambda: KVTimings())
+
+
+#: A ``time.perf_counter()`` stamp of the worker that took it. On Linux that is
+#: CLOCK_MONOTONIC, one clock for every process of a host, so stamps of workers on one host
+#: compare directly; across hosts they do not.
+Stamp = float
+
+
+class KVTimings(BaseModel):
+    """When a worker produced or received a KV cache (stamps: :data:`Stamp`; None: not
+    measured, e.g. a medium whose sink reports no per-layer arrival)."""
+
+    forward_start_s: Stamp | None = Field(
+        default=None, description="the engine took the prefill (its forward pass began)"
+    )
+    forward_end_s: Stamp | None = None
+    layer_ready_s: list[Stamp] = Field(
+        default_factory=list, description="layer l's K/V published to sends (prefill)"
+    )
+    arrivals_s: list[Stamp | None] = Field(
+        default_factory=list, description="layer l landed, its CRC-64 checked (received)"
+    )
+    verified_s: Stamp | None = Field(
+        default=None, description="the whole copy was verified (received)"
+    )
 
 
 class DecodeRequest(BaseModel):
@@ -157,6 +188,31 @@ class DecodeResult(BaseModel):
     prompt_len: int
     tokens: list[int]
     seconds: float
+    started_s: Stamp = 0.0
+    ended_s: Stamp = 0.0
+
+
+class GenerateRequest(BaseModel):
+    """Generate from a prompt inside this worker alone (prefill and decode, no transfer):
+    the single-process reference a disaggregated run's tokens are compared with."""
+
+    model_config = ConfigDict(extra="forbid")
+    prompt: list[int] | None = Field(default=None, min_length=1, max_length=MAX_PROMPT_TOKENS)
+    prompt_seed: int | None = Field(default=None, ge=0, lt=2**63)
+    prompt_tokens: int | None = Field(default=None, ge=1, le=MAX_PROMPT_TOKENS)
+    max_new_tokens: int = Field(ge=1, le=4096)
+
+    def prefill_request(self) -> PrefillRequest:
+        return PrefillRequest(
+            prompt=self.prompt, prompt_seed=self.prompt_seed, prompt_tokens=self.prompt_tokens
+        )
+
+
+class GenerateResult(BaseModel):
+    model_id: str
+    prompt_len: int
+    tokens: list[int]
+    seconds: float
 
 
 class ReceiveRequest(BaseModel):
@@ -168,6 +224,10 @@ class ReceiveRequest(BaseModel):
     model_id: str = Field(min_length=1, max_length=200)
     layout: LayoutModel
     medium: str = Field(min_length=1)
+    keep: bool = Field(
+        default=True,
+        description="false: drain the copy (verify, timestamp, release; a measurement)",
+    )
 
 
 class ReceiveReady(BaseModel):
@@ -191,6 +251,31 @@ class SendRequest(BaseModel):
     destination: str = Field(min_length=1, description="sink address from /v1/receive")
     medium: str = Field(min_length=1)
     timeout_s: float = Field(gt=0, le=3600)
+    transfer_id: int | None = Field(
+        default=None,
+        ge=0,
+        lt=2**63,
+        description="the id the copy travels (and is received) as; default request_id",
+    )
+    link: PacedLink | None = Field(
+        default=None, description="pace this send to an emulated path (one link per send)"
+    )
+    schedule: Literal["stream", "serial", "replay"] = Field(
+        default="stream",
+        description="stream: each layer as prefill publishes it (all at once when whole); "
+        "serial: wait until whole, then send; replay: wait until whole, then send layer l "
+        "at start + (ready_l - forward_start), replaying prefill's schedule",
+    )
+
+
+class PacedLink(BaseModel):
+    """The emulated path a send is paced to (see :mod:`topkv.transport.emulated`)."""
+
+    model_config = ConfigDict(extra="forbid")
+    mode: Literal["nvlink", "nvswitch", "pcie", "rdma", "tcp"]
+    bandwidth_gbps: float = Field(gt=0, le=1e6)
+    setup_s: float = Field(ge=0, le=60)
+    dilation: float = Field(default=1.0, ge=1, le=1e9)
 
 
 class SendResult(BaseModel):
@@ -204,6 +289,15 @@ class SendResult(BaseModel):
     wall_seconds: float
     emulated: bool
     dilation: float
+    transfer_id: int = -1
+    started_s: Stamp = 0.0
+    ended_s: Stamp = Field(default=0.0, description="the destination acknowledged")
+    offered_s: list[Stamp] = Field(
+        default_factory=list, description="layer l offered to the (paced) transport"
+    )
+    handed_s: list[Stamp] = Field(
+        default_factory=list, description="layer l left the paced link for the real medium"
+    )
 
 
 class Released(BaseModel):

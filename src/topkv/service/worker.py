@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import sys
 import threading
 import time
 import zlib
@@ -68,12 +69,13 @@ from topkv.service.kvstore import (
     PrefillFailed,
     UnknownKV,
     received_kv,
+    summarize,
 )
 from topkv.service.messages import (
     DecodeRequest,
     DecodeResult,
-    KVSummary,
-    LayoutModel,
+    GenerateRequest,
+    GenerateResult,
     PrefillRequest,
     ReceiveReady,
     ReceiveRequest,
@@ -91,6 +93,7 @@ from topkv.service.worker_media import (
     resolve_media,
     sink_medium,
 )
+from topkv.service.worker_send import SendStamps, paced, send_scheduled, wait_ended
 from topkv.transport import catalog as transports
 from topkv.transport.base import (
     OutgoingTransfer,
@@ -157,6 +160,7 @@ class WorkerService:
             "received": 0,
             "send_failures": 0,
             "decoded": 0,
+            "drained": 0,
         }
         self._corrupters: list[CorruptingSource] = []
 
@@ -172,12 +176,12 @@ class WorkerService:
         register_engine_media(media, advertise if _wildcard(cfg.bind_host) else cfg.bind_host)
         tcp_port = ""
         if "tcp" in media:
-            tcp_sink = TcpSink(cfg.secret, host=cfg.bind_host, port=0)
+            tcp_sink = TcpSink(cfg.secret, host=cfg.bind_host, port=0, on_layer=self._inbox.landed)
             self._sinks["tcp"] = tcp_sink
             tcp_port = tcp_sink.address.rsplit(":", 1)[1]
             self._tcp_address = f"tcp://{format_host(advertise)}:{tcp_port}"
         if "shm" in media:
-            self._sinks["shm"] = ShmSink(cfg.secret)
+            self._sinks["shm"] = ShmSink(cfg.secret, on_layer=self._inbox.landed)
         self._runner = web.AppRunner(self.app(), access_log=None, handle_signals=False)
         await self._runner.setup()
         await web.TCPSite(self._runner, cfg.bind_host, cfg.control_port).start()
@@ -295,6 +299,7 @@ class WorkerService:
         app.router.add_post("/v1/kv/{request_id}/cancel", self._cancel_send)
         app.router.add_post("/v1/receive", self._receive)
         app.router.add_post("/v1/send", self._send)
+        app.router.add_post("/v1/generate", self._generate)
         return app
 
     async def _healthz(self, request: web.Request) -> web.Response:
@@ -324,14 +329,14 @@ class WorkerService:
         return web.json_response(body)
 
     async def _list_kv(self, request: web.Request) -> web.Response:
-        return web.json_response([_summary(kv).model_dump() for kv in self.store.all()])
+        return web.json_response([summarize(kv).model_dump() for kv in self.store.all()])
 
     async def _get_kv(self, request: web.Request) -> web.Response:
         """The summary of a held KV; one still being produced is answered once it is whole."""
         kv = self.store.get(int_param(request, "request_id"))
-        await _ended(kv, SUMMARY_WAIT_S)
+        await wait_ended(kv, SUMMARY_WAIT_S)
         kv.check_whole()
-        return model_response(_summary(kv))
+        return model_response(summarize(kv))
 
     async def _prefill(self, request: web.Request) -> web.Response:
         request_id = int_param(request, "request_id")
@@ -345,16 +350,24 @@ class WorkerService:
         self._prefills.add(task)
         task.add_done_callback(self._prefills.discard)
         if not body.wait:
-            return model_response(_summary(kv), status=202)
-        await _ended(kv, None)
+            return model_response(summarize(kv), status=202)
+        await wait_ended(kv, None)
         kv.check_whole()
-        return model_response(_summary(kv), status=201)
+        return model_response(summarize(kv), status=201)
 
     async def _run_prefill(self, kv: HeldKV, plan: PrefillPlan) -> None:
         engine = self.engine
         assert engine is not None
+
+        def run() -> int | None:
+            kv.forward_start_s = time.perf_counter()  # on the engine's thread: it took it
+            try:
+                return engine.prefill(plan, kv.publish)
+            finally:
+                kv.forward_end_s = time.perf_counter()
+
         try:
-            first_token = await self._run_engine(lambda: engine.prefill(plan, kv.publish))
+            first_token = await self._run_engine(run)
         except Exception as exc:  # reported to every waiter through the KV
             if kv.error is None:
                 log.warning("prefill of request %s failed: %s", kv.request_id, exc)
@@ -370,7 +383,7 @@ class WorkerService:
         engine = self.engine
         assert engine is not None
         kv = self.store.get(request_id)
-        await _ended(kv, SUMMARY_WAIT_S)
+        await wait_ended(kv, SUMMARY_WAIT_S)
         kv.check_whole()
         first_token = body.first_token if body.first_token is not None else kv.first_token
         if first_token is None:
@@ -378,14 +391,40 @@ class WorkerService:
                 f"request {request_id}: give 'first_token' (prefill's token); this worker "
                 "did not run the prefill"
             )
-        started = time.perf_counter()
-        tokens = await self._run_engine(lambda: engine.decode(kv, first_token, body.max_new_tokens))
+        stamps: list[float] = []
+
+        def run() -> list[int]:
+            stamps.append(time.perf_counter())
+            try:
+                return engine.decode(kv, first_token, body.max_new_tokens)
+            finally:
+                stamps.append(time.perf_counter())
+
+        tokens = await self._run_engine(run)
         self.counters["decoded"] += 1
         return model_response(
             DecodeResult(
                 request_id=request_id,
                 model_id=kv.model_id,
                 prompt_len=kv.layout.seq_len,
+                tokens=tokens,
+                seconds=stamps[1] - stamps[0],
+                started_s=stamps[0],
+                ended_s=stamps[1],
+            )
+        )
+
+    async def _generate(self, request: web.Request) -> web.Response:
+        body = await read_model(request, GenerateRequest)
+        engine = self.engine
+        assert engine is not None
+        plan = engine.plan(-1, body.prefill_request())
+        started = time.perf_counter()
+        tokens = await self._run_engine(lambda: engine.generate(plan, body.max_new_tokens))
+        return model_response(
+            GenerateResult(
+                model_id=plan.model_id,
+                prompt_len=plan.layout.seq_len,
                 tokens=tokens,
                 seconds=time.perf_counter() - started,
             )
@@ -445,9 +484,10 @@ class WorkerService:
                 f"{', '.join(self.offer.media)})",
                 "TransportError",
             )
-        self.store.reserve_check(body.request_id)
+        if body.keep:
+            self.store.reserve_check(body.request_id)
         descriptor = TransferDescriptor(body.request_id, body.model_id, body.layout.to_layout())
-        self._inbox.expect(sink, kind, descriptor, body.medium)
+        self._inbox.expect(sink, kind, descriptor, body.medium, keep=body.keep)
         address = self._sink_address(kind, sink)
         ready = ReceiveReady(request_id=body.request_id, medium=body.medium, address=address)
         return model_response(ready)
@@ -459,7 +499,7 @@ class WorkerService:
         if pending is None:
             held = self.store.get(request_id)  # raises UnknownKV
             if held.origin == "received":
-                return model_response(_summary(held))
+                return model_response(summarize(held))
             raise UnknownKV(f"worker {self.worker_id} expects no KV for request {request_id}")
         wrapped = asyncio.wrap_future(pending.future)
         done, _ = await asyncio.wait({wrapped}, timeout=body.timeout_s)
@@ -470,6 +510,10 @@ class WorkerService:
         received = wrapped.result()  # raises the transport's error, if any
         if not self._inbox.take(pending):
             raise UnknownKV(f"the receive of request {request_id} was discarded")
+        if not pending.keep:
+            received.release()
+            self.counters["drained"] += 1
+            return model_response(pending.summary())
         kv = await asyncio.to_thread(
             received_kv,
             request_id,
@@ -479,13 +523,14 @@ class WorkerService:
             pending.medium,
             received.release,
         )
+        kv.arrivals_s, kv.verified_s = pending.arrivals(), pending.verified_s
         try:
             self.store.put(kv)
         except CapacityExceeded:
             kv.free()
             raise
         self.counters["received"] += 1
-        return model_response(_summary(kv))
+        return model_response(summarize(kv))
 
     async def _send(self, request: web.Request) -> web.Response:
         body = await read_model(request, SendRequest)
@@ -493,18 +538,23 @@ class WorkerService:
         if kv.error is not None:
             kv.check_whole()  # raises PrefillFailed: the source lost this KV
         source = self._source(body.medium)
-        descriptor = TransferDescriptor(kv.request_id, kv.model_id, kv.layout)
+        if body.link is not None:
+            source = paced(source, body.link)
+        transfer_id = body.request_id if body.transfer_id is None else body.transfer_id
+        descriptor = TransferDescriptor(transfer_id, kv.model_id, kv.layout)
+        stamps = SendStamps()
         started = time.perf_counter()
         out = await asyncio.to_thread(source.open, descriptor, body.destination)
-        self._outgoing[body.request_id] = out
+        self._outgoing[transfer_id] = out
         try:
-            if not kv.complete:
-                await _stream_layers(out, kv, body.timeout_s)
-            elif self.config.faults.slow_gbps is not None:
-                # A paced send blocks until each layer's departure time: not on the loop.
-                await asyncio.to_thread(_send_layers, out, kv)
-            else:
-                _send_layers(out, kv)
+            await send_scheduled(
+                out,
+                kv,
+                body.schedule,
+                body.timeout_s,
+                stamps,
+                off_loop=self.config.faults.slow_gbps is not None,
+            )
             wrapped = asyncio.wrap_future(out.finish())
             done, _ = await asyncio.wait({wrapped}, timeout=body.timeout_s)
             if not done:
@@ -518,10 +568,11 @@ class WorkerService:
             out.cancel()
             raise
         finally:
-            if self._outgoing.get(body.request_id) is out:
-                del self._outgoing[body.request_id]
+            if self._outgoing.get(transfer_id) is out:
+                del self._outgoing[transfer_id]
+        ended = time.perf_counter()
         self.counters["sent"] += 1
-        wall = time.perf_counter() - started
+        offered = stamps.offered(kv.layout.num_layers)
         return model_response(
             SendResult(
                 request_id=body.request_id,
@@ -529,9 +580,16 @@ class WorkerService:
                 mode=result.mode.value,
                 size_bytes=result.size_bytes,
                 seconds=result.seconds,
-                wall_seconds=result.wall_seconds if result.wall_seconds is not None else wall,
+                wall_seconds=result.wall_seconds
+                if result.wall_seconds is not None
+                else ended - started,
                 emulated=result.emulated,
                 dilation=result.dilation,
+                transfer_id=transfer_id,
+                started_s=started,
+                ended_s=ended,
+                offered_s=offered,
+                handed_s=SendStamps.handed(out, offered),
             )
         )
 
@@ -581,72 +639,6 @@ def _made(make: Callable[[bytes], T], secret: bytes, medium: str, what: str) -> 
         raise TransportUnavailable(f"{medium} {what} failed to start: {exc!r}") from exc
 
 
-async def _ended(kv: HeldKV, timeout_s: float | None) -> None:
-    """Wait (on the loop) until ``kv`` is whole or failed; TransferTimeout after ``timeout_s``."""
-    if kv.ended:
-        return
-    loop = asyncio.get_running_loop()
-    ended: asyncio.Future[None] = loop.create_future()
-
-    def wake() -> None:
-        loop.call_soon_threadsafe(_resolve, ended)
-
-    kv.when_ended(wake)
-    try:
-        await asyncio.wait_for(ended, timeout_s)
-    except TimeoutError:
-        raise TransferTimeout(
-            f"request {kv.request_id}: prefill did not finish within {timeout_s} s"
-        ) from None
-
-
-def _resolve(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
-
-
-async def _stream_layers(out: OutgoingTransfer, kv: HeldKV, timeout_s: float) -> None:
-    """Send the layers published so far, then each new one the moment prefill publishes it
-    (from the engine's thread); returns once the last one was queued."""
-    errors: list[BaseException] = []
-
-    def offer(index: int, tensors: tuple[memoryview, ...], crcs: tuple[int, ...]) -> None:
-        if errors:
-            return
-        try:
-            out.send_layer(index, tensors, crcs)
-        except Exception as exc:  # raised below, on the loop
-            errors.append(exc)
-
-    unsubscribe = kv.subscribe(offer)
-    try:
-        await _ended(kv, timeout_s)
-    finally:
-        unsubscribe()
-    if errors:
-        raise errors[0]
-    kv.check_whole()
-
-
-def _send_layers(out: OutgoingTransfer, kv: HeldKV) -> None:
-    for layer, (tensors, crcs) in enumerate(zip(kv.layers, kv.crcs, strict=True)):
-        out.send_layer(layer, tensors, crcs)
-
-
-def _summary(kv: HeldKV) -> KVSummary:
-    return KVSummary(
-        request_id=kv.request_id,
-        model_id=kv.model_id,
-        layout=LayoutModel.of(kv.layout),
-        size_bytes=kv.layout.total_bytes,
-        digest=kv.digest if kv.complete else 0,
-        origin="prefill" if kv.origin == "prefill" else "received",
-        medium=kv.medium,
-        complete=kv.complete,
-        first_token=kv.first_token,
-    )
-
-
 def _special_error(exc: TopKVError) -> tuple[int, str] | None:
     if not isinstance(exc, TransportError):
         return None
@@ -668,6 +660,9 @@ _error_middleware = error_middleware(
 
 async def serve_worker(config: WorkerConfig, stop: asyncio.Event) -> None:
     """Run a worker until ``stop`` is set, then deregister and release everything."""
+    # Transport threads (senders, receivers, link pacers) must get the GIL at once while the
+    # engine's thread computes, or their stamps and departures carry GIL waits (5 ms default).
+    sys.setswitchinterval(0.0005)
     service = WorkerService(config)
     try:
         await service.start()

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from topkv.transport.base import ReceivedKV, TransferDescriptor, TransferSink
+from topkv.service.messages import KVSummary, KVTimings, LayoutModel
+from topkv.transport.base import LayerTensors, ReceivedKV, TransferDescriptor, TransferSink
 
 
 @dataclass
@@ -26,9 +28,35 @@ class Pending:
     medium: str
     sink_kind: str
     future: Future[ReceivedKV]
+    keep: bool = True  # false: a drained copy (verified, stamped, released)
     abandoned: bool = False
     claimed: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
+    #: ``time.perf_counter()`` when each layer landed verified, and when the whole copy was
+    landed_s: dict[int, float] = field(default_factory=dict)
+    verified_s: float | None = None
+
+    def arrivals(self) -> tuple[float | None, ...]:
+        """Each layer's landing stamp, in order (None: the sink reported none)."""
+        return tuple(self.landed_s.get(i) for i in range(self.descriptor.layout.num_layers))
+
+    def _verified(self, _: Future[ReceivedKV]) -> None:
+        self.verified_s = time.perf_counter()
+
+    def summary(self) -> KVSummary:
+        """What a drained copy leaves: its stamps (its bytes were verified and released)."""
+        layout = self.descriptor.layout
+        return KVSummary(
+            request_id=self.request_id,
+            model_id=self.model_id,
+            layout=LayoutModel.of(layout),
+            size_bytes=layout.total_bytes,
+            digest=0,
+            origin="received",
+            medium=self.medium,
+            kept=False,
+            timings=KVTimings(arrivals_s=list(self.arrivals()), verified_s=self.verified_s),
+        )
 
 
 def _release_if_abandoned(pending: Pending, future: Future[ReceivedKV]) -> None:
@@ -56,6 +84,7 @@ class Inbox:
         kind: str,
         descriptor: TransferDescriptor,
         medium: str,
+        keep: bool = True,
     ) -> Pending:
         """Announce ``descriptor``'s KV on ``sink`` (replacing an earlier announcement)."""
         request_id = descriptor.request_id
@@ -63,9 +92,19 @@ class Inbox:
         if previous is not None:
             self.abandon(previous)
         future = self._claim(sink, kind, request_id)
-        pending = Pending(request_id, descriptor.model_id, descriptor, medium, kind, future)
+        pending = Pending(
+            request_id, descriptor.model_id, descriptor, medium, kind, future, keep=keep
+        )
         self.pending[request_id] = pending
+        future.add_done_callback(pending._verified)
         return pending
+
+    def landed(self, descriptor: TransferDescriptor, layer: int, _: LayerTensors) -> None:
+        """A sink's per-layer callback (its receive thread): stamp the layer's arrival."""
+        stamp = time.perf_counter()
+        pending = self.pending.get(descriptor.request_id)
+        if pending is not None and not pending.future.done():
+            pending.landed_s[layer] = stamp
 
     def take(self, pending: Pending) -> bool:
         """Claim ``pending``'s arrived KV for the store; False when it was abandoned."""
