@@ -10,10 +10,10 @@ from __future__ import annotations
 import contextlib
 import shutil
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, TypeVar
 
 from topkv.inputs import InputFileError, read_text
 from topkv.topology.detect.nvidia_smi import FabricInfo, NvlinkLink, normalise_bus_id
@@ -245,74 +245,76 @@ def probe_nvml() -> tuple[NvmlSnapshot | None, str]:
             pynvml.nvmlShutdown()
 
 
+T = TypeVar("T")
+
+
+def _optional(query: Callable[[], T]) -> T | None:
+    """An NVML query that a driver, GPU or link may not support: None when it raises."""
+    try:
+        return query()
+    except Exception:
+        return None
+
+
+def _fabric(nv: Any, handle: Any, bus_id: str) -> FabricInfo:
+    info = nv.nvmlDeviceGetGpuFabricInfo(handle)
+    uuid_hex = bytes(info.clusterUuid).hex()
+    cluster = "-".join(uuid_hex[a:b] for a, b in ((0, 8), (8, 12), (12, 16), (16, 20), (20, 32)))
+    return FabricInfo(
+        bus_id=bus_id,
+        state="Completed" if info.state == 3 else str(info.state),
+        status="Success" if info.status == 0 else f"error {info.status}",
+        clique_id=str(info.cliqueId),
+        cluster_uuid=cluster,
+    )
+
+
+def _read_links(nv: Any, handle: Any) -> tuple[list[NvlinkLink], int | None]:
+    """A GPU's NVLinks (up to the first one NVML cannot query) and their version."""
+    links: list[NvlinkLink] = []
+    version: int | None = None
+    for link in range(getattr(nv, "NVML_NVLINK_MAX_LINKS", 18)):
+        try:
+            active = nv.nvmlDeviceGetNvLinkState(handle, link) == nv.NVML_FEATURE_ENABLED
+        except Exception:
+            break
+        remote = None
+        if active:
+            try:
+                remote = normalise_bus_id(
+                    _s(nv.nvmlDeviceGetNvLinkRemotePciInfo_v2(handle, link).busId)
+                )
+            except Exception:
+                remote = None
+            if version is None:
+                try:
+                    version = int(nv.nvmlDeviceGetNvLinkVersion(handle, link))
+                except Exception:
+                    version = None
+        links.append(NvlinkLink(link=link, active=active, remote_bus_id=remote))
+    return links, version
+
+
+def _read_gpu(nv: Any, index: int, handle: Any) -> NvmlGpu:
+    links, version = _read_links(nv, handle)
+    bus_id = normalise_bus_id(_s(nv.nvmlDeviceGetPciInfo(handle).busId))
+    return NvmlGpu(
+        index=index,
+        name=_s(nv.nvmlDeviceGetName(handle)),
+        bus_id=bus_id,
+        uuid=_optional(lambda: _s(nv.nvmlDeviceGetUUID(handle))),
+        memory_mb=_optional(lambda: int(nv.nvmlDeviceGetMemoryInfo(handle).total) // 2**20),
+        numa=_optional(lambda: int(nv.nvmlDeviceGetNumaNodeId(handle))),
+        nvlinks=links,
+        nvlink_version=version,
+        fabric=_optional(lambda: _fabric(nv, handle, bus_id)),
+    )
+
+
 def _read_nvml(nv: Any) -> NvmlSnapshot:
     count = nv.nvmlDeviceGetCount()
     handles = [nv.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
-    gpus: list[NvmlGpu] = []
-    for i, h in enumerate(handles):
-        links: list[NvlinkLink] = []
-        version: int | None = None
-        for link in range(getattr(nv, "NVML_NVLINK_MAX_LINKS", 18)):
-            try:
-                active = nv.nvmlDeviceGetNvLinkState(h, link) == nv.NVML_FEATURE_ENABLED
-            except Exception:
-                break
-            remote = None
-            if active:
-                try:
-                    remote = normalise_bus_id(
-                        _s(nv.nvmlDeviceGetNvLinkRemotePciInfo_v2(h, link).busId)
-                    )
-                except Exception:
-                    remote = None
-                if version is None:
-                    try:
-                        version = int(nv.nvmlDeviceGetNvLinkVersion(h, link))
-                    except Exception:
-                        version = None
-            links.append(NvlinkLink(link=link, active=active, remote_bus_id=remote))
-        fabric = None
-        bus_id = normalise_bus_id(_s(nv.nvmlDeviceGetPciInfo(h).busId))
-        try:
-            info = nv.nvmlDeviceGetGpuFabricInfo(h)
-            uuid_bytes = bytes(info.clusterUuid)
-            cluster = "-".join(
-                uuid_bytes.hex()[a:b] for a, b in ((0, 8), (8, 12), (12, 16), (16, 20), (20, 32))
-            )
-            fabric = FabricInfo(
-                bus_id=bus_id,
-                state="Completed" if info.state == 3 else str(info.state),
-                status="Success" if info.status == 0 else f"error {info.status}",
-                clique_id=str(info.cliqueId),
-                cluster_uuid=cluster,
-            )
-        except Exception:
-            fabric = None
-        try:
-            numa: int | None = int(nv.nvmlDeviceGetNumaNodeId(h))
-        except Exception:
-            numa = None
-        try:
-            mem: int | None = int(nv.nvmlDeviceGetMemoryInfo(h).total) // (1024 * 1024)
-        except Exception:
-            mem = None
-        try:
-            uuid: str | None = _s(nv.nvmlDeviceGetUUID(h))
-        except Exception:
-            uuid = None
-        gpus.append(
-            NvmlGpu(
-                index=i,
-                name=_s(nv.nvmlDeviceGetName(h)),
-                bus_id=bus_id,
-                uuid=uuid,
-                memory_mb=mem,
-                numa=numa,
-                nvlinks=links,
-                nvlink_version=version,
-                fabric=fabric,
-            )
-        )
+    gpus = [_read_gpu(nv, i, h) for i, h in enumerate(handles)]
     pcie: dict[tuple[int, int], str] = {}
     for i in range(count):
         for j in range(i + 1, count):
@@ -321,8 +323,5 @@ def _read_nvml(nv: Any) -> NvmlSnapshot:
             except Exception:
                 continue
             pcie[(i, j)] = NVML_TOPOLOGY_LEVEL.get(level, "SYS")
-    try:
-        driver: str | None = _s(nv.nvmlSystemGetDriverVersion())
-    except Exception:
-        driver = None
+    driver = _optional(lambda: _s(nv.nvmlSystemGetDriverVersion()))
     return NvmlSnapshot(driver_version=driver, gpus=gpus, pcie=pcie)

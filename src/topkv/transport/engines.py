@@ -48,40 +48,37 @@ def missing_package(transport: str) -> str | None:
     return None
 
 
-def make_source(transport: str, secret: bytes, **options: Any) -> TransferSource:
-    """A source of ``transport`` (nixl | mooncake | cuda); TransportUnavailable if absent."""
+def _engine_classes(
+    transport: str,
+) -> tuple[Callable[..., TransferSource], Callable[..., TransferSink]]:
+    """``transport``'s source and sink classes, imported once its package is known to load
+    (TransportUnavailable with the reason when it is not)."""
     reason = missing_package(transport)
     if reason is not None:
         raise TransportUnavailable(reason)
     if transport == "nixl":
-        from topkv.transport.nixl import NixlSource
+        from topkv.transport.nixl import NixlSink, NixlSource
 
-        return NixlSource(secret, **options)
+        return NixlSource, NixlSink
     if transport == "mooncake":
-        from topkv.transport.mooncake import MooncakeSource
+        from topkv.transport.mooncake import MooncakeSink, MooncakeSource
 
-        return MooncakeSource(secret, **options)
-    from topkv.transport.cuda import CudaSource
+        return MooncakeSource, MooncakeSink
+    from topkv.transport.cuda import CudaSink, CudaSource
 
-    return CudaSource(secret, **options)
+    return CudaSource, CudaSink
+
+
+def make_source(transport: str, secret: bytes, **options: Any) -> TransferSource:
+    """A source of ``transport`` (nixl | mooncake | cuda); TransportUnavailable if absent."""
+    source, _ = _engine_classes(transport)
+    return source(secret, **options)
 
 
 def make_sink(transport: str, secret: bytes, **options: Any) -> TransferSink:
     """A sink of ``transport`` (nixl | mooncake | cuda); TransportUnavailable if absent."""
-    reason = missing_package(transport)
-    if reason is not None:
-        raise TransportUnavailable(reason)
-    if transport == "nixl":
-        from topkv.transport.nixl import NixlSink
-
-        return NixlSink(secret, **options)
-    if transport == "mooncake":
-        from topkv.transport.mooncake import MooncakeSink
-
-        return MooncakeSink(secret, **options)
-    from topkv.transport.cuda import CudaSink
-
-    return CudaSink(secret, **options)
+    _, sink = _engine_classes(transport)
+    return sink(secret, **options)
 
 
 def register_all(

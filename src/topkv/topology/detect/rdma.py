@@ -24,7 +24,7 @@ import itertools
 import json
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -104,31 +104,39 @@ def _split_code(value: str) -> tuple[str, str | None]:
     return value, None
 
 
-def normalize_state(value: str | None) -> str | None:
-    """Logical port state in upper case (``Active``, ``4: ACTIVE``, ``PORT_ACTIVE (4)``)."""
+def _normalize(
+    value: str | None, by_number: Mapping[str, str], by_name: Callable[[str], str]
+) -> str | None:
+    """A port state given by name, number or both (``4: ACTIVE``): a number alone is looked
+    up in ``by_number`` (an unknown one is kept as written), a name goes to ``by_name``."""
     if value is None:
         return None
     name, code = _split_code(value)
     if not name:
-        return _STATE_BY_NUMBER.get(code or "")
+        return by_number.get(code or "")
     if name.isdigit():
-        return _STATE_BY_NUMBER.get(name, name)
+        return by_number.get(name, name)
+    return by_name(name)
+
+
+def _state_name(name: str) -> str:
     key = re.sub(r"[\s-]+", "_", name.upper())
     key = key.removeprefix("PORT_") if key != "PORT_" else key
     return _STATE_ALIASES.get(key, key)
 
 
+def _phys_state_name(name: str) -> str:
+    return _PHYS_NAMES.get(re.sub(r"[\s_-]+", "", name.upper()), name)
+
+
+def normalize_state(value: str | None) -> str | None:
+    """Logical port state in upper case (``Active``, ``4: ACTIVE``, ``PORT_ACTIVE (4)``)."""
+    return _normalize(value, _STATE_BY_NUMBER, _state_name)
+
+
 def normalize_phys_state(value: str | None) -> str | None:
     """Physical port state in ibstat's spelling (``LinkUp``, ``Disabled``, ``Polling``...)."""
-    if value is None:
-        return None
-    name, code = _split_code(value)
-    if not name:
-        return _PHYS_BY_NUMBER.get(code or "")
-    if name.isdigit():
-        return _PHYS_BY_NUMBER.get(name, name)
-    key = re.sub(r"[\s_-]+", "", name.upper())
-    return _PHYS_NAMES.get(key, name)
+    return _normalize(value, _PHYS_BY_NUMBER, _phys_state_name)
 
 
 def normalize_link_layer(value: str | None) -> str | None:

@@ -40,6 +40,49 @@ class RocmTopology:
     numa: dict[int, int] = field(default_factory=dict)
 
 
+#: Link-type cells that name no link: none, not available, the diagonal's ``X``.
+_NO_LINK = frozenset({"", "0", "N/A", "X"})
+
+
+@dataclass
+class _Found:
+    """What one parse has found so far; the text and the JSON form both fill one."""
+
+    gpus: set[int] = field(default_factory=set)
+    link_types: dict[tuple[int, int], str] = field(default_factory=dict)
+    hops: dict[tuple[int, int], int] = field(default_factory=dict)
+    weights: dict[tuple[int, int], int] = field(default_factory=dict)
+    numa_node: dict[int, int] = field(default_factory=dict)
+    numa_affinity: dict[int, int] = field(default_factory=dict)
+
+    def pair(self, kind: str, a: int, b: int, text: str) -> None:
+        """The ``kind`` section's value for ``a`` -> ``b`` (a link type, hops or a weight);
+        values that name no link or are not numbers are skipped."""
+        self.gpus.update((a, b))
+        if kind == "link type":
+            if text not in _NO_LINK:
+                self.link_types[(a, b)] = text.upper()
+        elif re.fullmatch(r"\d{1,9}", text):
+            (self.hops if kind == "hops" else self.weights)[(a, b)] = int(text)
+
+    def numa(self, gpu: int, node: bool, value: int | None) -> None:
+        """GPU ``gpu``'s "Numa Node" (``node``) or "Numa Affinity"; None: not a usable one."""
+        self.gpus.add(gpu)
+        if value is not None:
+            (self.numa_node if node else self.numa_affinity)[gpu] = value
+
+    def topology(self) -> RocmTopology | None:
+        if not self.gpus:
+            return None
+        return RocmTopology(
+            gpus=tuple(sorted(self.gpus)),
+            link_types=self.link_types,
+            hops=self.hops,
+            weights=self.weights,
+            numa={**self.numa_affinity, **self.numa_node},
+        )
+
+
 def _gpu_id(value: str) -> int:
     gpu = int(value)
     if gpu > _MAX_GPU:
@@ -63,12 +106,7 @@ def _json_topology(data: Any) -> RocmTopology | None:
     pair_key = re.compile(
         r"(weight|hops|link type)\s+between\s+.*?(\d+)\s+and\s+(\d+)\s*$", re.IGNORECASE
     )
-    link_types: dict[tuple[int, int], str] = {}
-    hops: dict[tuple[int, int], int] = {}
-    weights: dict[tuple[int, int], int] = {}
-    numa_node: dict[int, int] = {}
-    numa_affinity: dict[int, int] = {}
-    gpus: set[int] = set()
+    found = _Found()
     for section, content in data.items():
         if not isinstance(content, dict):
             continue
@@ -77,28 +115,11 @@ def _json_topology(data: Any) -> RocmTopology | None:
             text = str(value).strip()
             if m := pair_key.search(str(key)):
                 a, b = _gpu_id(m.group(2)), _gpu_id(m.group(3))
-                gpus.update((a, b))
-                kind = m.group(1).lower()
-                if kind == "link type":
-                    if text and text not in {"N/A", "0"}:
-                        link_types[(a, b)] = text.upper()
-                elif re.fullmatch(r"\d{1,9}", text):
-                    (hops if kind == "hops" else weights)[(a, b)] = int(text)
+                found.pair(m.group(1).lower(), a, b, text)
             elif card and re.search(r"numa (node|affinity)", str(key), re.IGNORECASE):
-                gpu = _gpu_id(card.group(1))
-                gpus.add(gpu)
-                if re.fullmatch(r"\d{1,6}", text):
-                    target = numa_node if "node" in str(key).lower() else numa_affinity
-                    target[gpu] = int(text)
-    if not gpus:
-        return None
-    return RocmTopology(
-        gpus=tuple(sorted(gpus)),
-        link_types=link_types,
-        hops=hops,
-        weights=weights,
-        numa={**numa_affinity, **numa_node},
-    )
+                number = int(text) if re.fullmatch(r"\d{1,6}", text) else None
+                found.numa(_gpu_id(card.group(1)), "node" in str(key).lower(), number)
+    return found.topology()
 
 
 def parse_rocm_smi_showtopo(text: str) -> RocmTopology:
@@ -114,12 +135,7 @@ def parse_rocm_smi_showtopo(text: str) -> RocmTopology:
             from_json = None
         if from_json is not None:
             return from_json
-    gpus: set[int] = set()
-    link_types: dict[tuple[int, int], str] = {}
-    hops: dict[tuple[int, int], int] = {}
-    weights: dict[tuple[int, int], int] = {}
-    numa_node: dict[int, int] = {}
-    numa_affinity: dict[int, int] = {}
+    found = _Found()
     kind: str | None = None
     columns: list[int] | None = None
     for raw in text.replace("\r", "\n").split("\n"):
@@ -129,35 +145,23 @@ def parse_rocm_smi_showtopo(text: str) -> RocmTopology:
             continue
         if m := _NUMA_LINE.match(line):
             gpu, value = _gpu_id(m.group(1)), int(m.group(3))
-            gpus.add(gpu)
-            if 0 <= value <= _MAX_GPU:
-                (numa_node if m.group(2).lower() == "node" else numa_affinity)[gpu] = value
+            found.numa(gpu, m.group(2).lower() == "node", value if 0 <= value <= _MAX_GPU else None)
             continue
         if m := _MATRIX_HEADER.match(line):
             columns = [_gpu_id(x) for x in re.findall(r"\d+", m.group(1))]
-            gpus.update(columns)
+            found.gpus.update(columns)
             continue
         if columns is None or kind not in {"weight", "hops", "link type"}:
             continue
         if not (m := _MATRIX_ROW.match(line)):
             continue
         row = _gpu_id(m.group(1))
-        gpus.add(row)
+        found.gpus.add(row)
         for col, cell in zip(columns, m.group(2).split(), strict=False):
-            if col == row:
-                continue
-            if kind == "link type":
-                if cell not in {"0", "N/A", "X"}:
-                    link_types[(row, col)] = cell.upper()
-            elif re.fullmatch(r"\d{1,9}", cell):
-                (hops if kind == "hops" else weights)[(row, col)] = int(cell)
-    if not gpus:
+            if col != row:
+                found.pair(kind, row, col, cell)
+    topology = found.topology()
+    if topology is None:
         first = stripped.splitlines()[0]
         raise ParseError(f"rocm-smi: no GPU topology found (first line: {first[:60]!r})")
-    return RocmTopology(
-        gpus=tuple(sorted(gpus)),
-        link_types=link_types,
-        hops=hops,
-        weights=weights,
-        numa={**numa_affinity, **numa_node},
-    )
+    return topology
