@@ -40,6 +40,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+from topkv.planner.errors import PlannerInputError
+from topkv.planner.transports import DEFAULT_TRANSPORTS, TransportSpec
 from topkv.transport.base import (
     Buffer,
     OutgoingTransfer,
@@ -61,10 +63,10 @@ class LinkModel:
     setup_latency_s: float
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.bandwidth_gbps) and self.bandwidth_gbps > 0):
-            raise TransportError(f"link bandwidth must be positive, got {self.bandwidth_gbps}")
-        if not (math.isfinite(self.setup_latency_s) and self.setup_latency_s >= 0):
-            raise TransportError(f"link setup latency must be >= 0, got {self.setup_latency_s}")
+        try:  # the planner's figures of a medium, checked the planner's way
+            TransportSpec(TransportMode(self.mode).value, self.bandwidth_gbps, self.setup_latency_s)
+        except PlannerInputError as exc:
+            raise TransportError(f"link model: {exc}") from None
 
     def seconds(self, nbytes: int) -> float:
         """Modelled time to move one chunk of ``nbytes`` (paper Eq. 2: setup + bytes / bw)."""
@@ -73,8 +75,6 @@ class LinkModel:
     @classmethod
     def default(cls, mode: TransportMode | str) -> LinkModel:
         """The reference figures (SPEC.md) from ``topkv.planner.DEFAULT_TRANSPORTS``."""
-        from topkv.planner.transports import DEFAULT_TRANSPORTS
-
         mode = TransportMode(mode)
         spec = DEFAULT_TRANSPORTS[mode.value]
         return cls(mode, spec.bandwidth_gbps, spec.setup_latency_s)

@@ -49,9 +49,9 @@ from topkv.transport import framing
 from topkv.transport.base import LayerTensors, TransferDescriptor
 from topkv.transport.errors import (
     FrameRejected,
-    ResourceExhausted,
     TransferCancelled,
     TransportError,
+    wait_for_release,
 )
 from topkv.transport.receiving import carve_layers
 from topkv.transport.sending import check_layer
@@ -172,13 +172,11 @@ class Arena:
                         else:
                             self._free[index] = (offset + size, free - size)
                         return offset
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise ResourceExhausted(
-                        f"no {nbytes}-byte region free in the sink's arena within {timeout} s; "
-                        "the receiver must release() received KV"
-                    )
-                self._cond.wait(left)
+                wait_for_release(
+                    self._cond,
+                    deadline,
+                    f"no {nbytes}-byte region free in the sink's arena within {timeout} s",
+                )
 
     def free(self, offset: int, nbytes: int) -> None:
         size = -(-nbytes // ARENA_ALIGN) * ARENA_ALIGN

@@ -7,6 +7,9 @@ path" (:class:`ChecksumMismatch`, :class:`TransferTimeout`) from "fail over to a
 
 from __future__ import annotations
 
+import threading
+import time
+
 from topkv.errors import TopKVError
 
 
@@ -50,3 +53,13 @@ class TransportUnavailable(TransportError):
 
 class ResourceExhausted(TransportError):
     """A bounded resource (shared segments, pending transfers) is used up."""
+
+
+def wait_for_release(cond: threading.Condition, deadline: float, exhausted: str) -> None:
+    """Wait on ``cond`` (held by the caller) for the receiver to release KV it holds;
+    :class:`ResourceExhausted` ("``exhausted``; the receiver must release() received KV")
+    once ``deadline`` (:func:`time.monotonic`) has passed."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise ResourceExhausted(f"{exhausted}; the receiver must release() received KV")
+    cond.wait(left)

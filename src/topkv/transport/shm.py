@@ -51,6 +51,7 @@ from topkv.transport.errors import (
     TransferTimeout,
     TransportError,
     TransportUnavailable,
+    wait_for_release,
 )
 from topkv.transport.handshake import client_handshake
 from topkv.transport.listening import ControlSession, ListeningSink
@@ -205,13 +206,11 @@ class _Connection:
                     for small in idle:  # too small: drop it, a bigger one replaces it
                         del self.segments[small.id]
                     break
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise ResourceExhausted(
-                        f"all {self.source.max_segments} shm segments are loaned out; the "
-                        "receiver must release() received KV"
-                    )
-                self.cond.wait(left)
+                wait_for_release(
+                    self.cond,
+                    deadline,
+                    f"all {self.source.max_segments} shm segments are loaned out",
+                )
         segment = self._create(nbytes)
         with self.cond:
             self.segments[segment.id] = segment
