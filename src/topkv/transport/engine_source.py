@@ -39,7 +39,7 @@ from topkv.transport.errors import (
     TransportError,
 )
 from topkv.transport.handshake import client_handshake
-from topkv.transport.receiving import error_from_ack, read_message
+from topkv.transport.receiving import error_from_ack, read_replies
 from topkv.transport.sending import ControlConnections, QueuedOutgoing
 from topkv.transport.sockio import send_buffers
 
@@ -91,20 +91,13 @@ class _Connection:
             self.replies.pop(request_id, None)
 
     def _read_loop(self) -> None:
-        try:
-            self.sock.settimeout(None)  # the sink speaks only in reply; EOF means death
-            while True:
-                message = read_message(self.sock, framing.ReceiveLimits())
-                if not isinstance(message, framing.Control):
-                    raise FrameRejected(f"sink sent an unexpected record {message!r}")
-                with self.lock:
-                    replies = self.replies.get(message.request_id)
-                if replies is not None:
-                    replies.put(message)
-        except TransportError as exc:
-            self._die(PeerDied(f"{self.source.name} sink went away: {exc}"))
-        except OSError as exc:
-            self._die(PeerDied(f"{self.source.name} sink went away: {exc}"))
+        self._die(read_replies(self.sock, self._on_reply, self.source.name))
+
+    def _on_reply(self, message: framing.Control) -> None:
+        with self.lock:
+            replies = self.replies.get(message.request_id)
+        if replies is not None:
+            replies.put(message)
 
     def _die(self, error: TransportError) -> None:
         with self.lock:

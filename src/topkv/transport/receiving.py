@@ -6,6 +6,7 @@
   transfers land in already-faulted memory (like ``recv_into`` a preallocated buffer).
 * :func:`read_message`: read the next record from a stream socket, validating headers
   before anything is allocated.
+* :func:`read_replies`: a source's reader of its sink's control replies.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from topkv.transport.base import LayerTensors, ReceivedKV, TransferDescriptor
 from topkv.transport.errors import (
     ChecksumMismatch,
     FrameRejected,
+    PeerDied,
     ResourceExhausted,
     TransferCancelled,
     TransportError,
@@ -183,6 +185,24 @@ def read_message(
             text.decode(errors="replace"),
         )
     raise FrameRejected(f"unknown record magic {magic!r}")
+
+
+def read_replies(
+    sock: socket.socket, on_reply: Callable[[framing.Control], None], sink: str
+) -> PeerDied:
+    """Hand each control record the ``sink`` sends on a source's control connection to
+    ``on_reply`` until the connection fails; returns the error the connection dies of.
+
+    The sink speaks only in reply, so the read has no timeout and EOF means death."""
+    try:
+        sock.settimeout(None)
+        while True:
+            message = read_message(sock, framing.ReceiveLimits())
+            if not isinstance(message, framing.Control):
+                raise FrameRejected(f"{sink} sink sent an unexpected record {message!r}")
+            on_reply(message)
+    except (TransportError, OSError) as exc:
+        return PeerDied(f"{sink} sink went away: {exc}")
 
 
 def error_from_ack(control: framing.Control) -> TransportError:

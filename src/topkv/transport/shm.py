@@ -60,7 +60,7 @@ from topkv.transport.receiving import (
     TransferMessage,
     carve_layers,
     error_from_ack,
-    read_message,
+    read_replies,
     status_for,
 )
 from topkv.transport.sending import ControlConnections, LayerItem, QueuedOutgoing, check_layer
@@ -134,30 +134,21 @@ class _Connection:
         self.send(framing.encode_control(framing.Control(kind, request_id, **kw)))  # type: ignore[arg-type]
 
     def _read_loop(self) -> None:
-        error: TransportError
-        try:
-            self.sock.settimeout(None)  # the receiver speaks only in reply; EOF means death
-            while True:
-                message = read_message(self.sock, framing.ReceiveLimits())
-                if not isinstance(message, framing.Control):
-                    raise FrameRejected(f"shm sink sent an unexpected record {message!r}")
-                if message.kind == framing.ControlKind.ACK:
-                    with self.cond:
-                        future = self.acks.pop(message.request_id, None)
-                    if future is not None:
-                        future.set_result(message)
-                elif message.kind == framing.ControlKind.RELEASE:
-                    self.free(message.arg0)
-                elif message.kind == framing.ControlKind.SEGMENT_MAPPED:
-                    with self.cond:
-                        event = self.mapped.get(message.arg0)
-                    if event is not None:
-                        event.set()
-        except TransportError as exc:
-            error = exc if not isinstance(exc, TransferTimeout) else PeerDied(str(exc))
-        except OSError as exc:
-            error = PeerDied(f"shm control connection failed: {exc}")
-        self._die(PeerDied(f"shm sink went away: {error}"))
+        self._die(read_replies(self.sock, self._on_reply, "shm"))
+
+    def _on_reply(self, message: framing.Control) -> None:
+        if message.kind == framing.ControlKind.ACK:
+            with self.cond:
+                future = self.acks.pop(message.request_id, None)
+            if future is not None:
+                future.set_result(message)
+        elif message.kind == framing.ControlKind.RELEASE:
+            self.free(message.arg0)
+        elif message.kind == framing.ControlKind.SEGMENT_MAPPED:
+            with self.cond:
+                event = self.mapped.get(message.arg0)
+            if event is not None:
+                event.set()
 
     def _die(self, error: TransportError) -> None:
         with self.cond:
