@@ -1,34 +1,38 @@
-"""A local cluster of demo worker processes, started and always torn down together.
+"""The demo's cluster: ``topkv worker --engine hf`` processes placed on the emulated GPUs.
 
-:class:`DemoCluster` spawns one process per :class:`~topkv.demo.topology.Placement`
-(multiprocessing ``forkserver``: the server imports torch once, each worker builds the
-model itself), waits until each has
-reported ``Ready`` (with its sinks' addresses), and on :meth:`close` - also on errors and
-Ctrl-C, since it is a context manager - asks every worker to stop, waits a little, then
-terminates and finally kills what is left, and joins all of them: no orphans. Workers also
-exit on their own if this process dies (they watch their parent).
+Each :class:`~topkv.demo.topology.Placement` becomes one real worker process (the same
+``topkv worker`` a deployment runs) serving the demo model, offering tcp and shm, and
+advertising its emulated GPU (node, NVLink domain, RDMA) in the registration it sends to
+the demo's embedded registry (:class:`~topkv.service.registrations.RegistrationServer`).
+The processes run under one :class:`~topkv.service.cluster.Supervisor`: they die with the
+demo (parent-death signal) and :meth:`DemoWorkers.stop` stops every one, also on errors and
+Ctrl-C.
 """
 
 from __future__ import annotations
 
-import contextlib
-import multiprocessing
-import os
-import queue
-import secrets
+import asyncio
 import time
 from collections.abc import Sequence
-from types import TracebackType
+from pathlib import Path
 from typing import Any
 
 from topkv.demo.errors import DemoError, WorkerFailed
-from topkv.demo.protocol import DemoWorkerConfig, Event, Failed, Ready, Stop
-from topkv.demo.topology import Placement
-from topkv.demo.worker import worker_main
-from topkv.engine.spec import DemoModelConfig
+from topkv.demo.topology import Placement, worker_info
+from topkv.relay.registry import MemoryRegistry
+from topkv.relay.workers import WorkerInfo
+from topkv.service.cluster import ClusterConfig, LocalCluster, ManagedProcess, WorkerPlacement
+from topkv.service.engines import EngineSpec
+from topkv.service.errors import ClusterError
+from topkv.service.registrations import RegistrationServer
+from topkv.topology.model import Cluster
 
-#: Heavy modules the fork server imports before forking workers.
-WORKER_PRELOAD = ("torch", "transformers", "topkv.engine.models", "topkv.engine.prefill")
+#: A worker's lease in the demo's registry: long, since the demo watches its processes.
+LEASE_S = 60.0
+#: Loading torch and the model in four processes on two cores takes a while.
+STARTUP_TIMEOUT_S = 180.0
+#: The real media every demo worker offers (emulated paths ride on them).
+MEDIA = ("tcp", "shm")
 
 
 def check_shared_clock() -> None:
@@ -41,133 +45,94 @@ def check_shared_clock() -> None:
         )
 
 
-class DemoCluster:
-    """Worker processes for the demo; use as a context manager."""
+class DemoWorkers:
+    """The worker processes of one demo run and the registry they register in."""
 
     def __init__(
         self,
         placements: Sequence[Placement],
+        topology: Cluster,
+        engine: EngineSpec,
         *,
-        model: DemoModelConfig,
-        seed: int,
-        model_path: str | None = None,
-        startup_timeout_s: float = 120.0,
+        decode_capacity: int,
+        prefill_capacity: int,
+        run_dir: Path | None = None,
     ) -> None:
         check_shared_clock()
         self.placements = list(placements)
-        # A fork server imports torch and transformers once; every worker is forked from it
-        # (single-threaded, so forking is safe), which saves each worker a cold import.
-        self._context = multiprocessing.get_context("forkserver")
-        self._context.set_forkserver_preload(["topkv.demo.worker", *WORKER_PRELOAD])
-        self.events: Any = self._context.Queue()
-        self.inboxes: dict[str, Any] = {p.worker_id: self._context.Queue() for p in placements}
-        self.processes: dict[str, Any] = {}
-        self.ready: dict[str, Ready] = {}
-        self._secret = secrets.token_bytes(32)
-        self._model = model
-        self._seed = seed
-        self._model_path = model_path
-        self._startup_timeout_s = startup_timeout_s
-        self._closed = False
+        self.registry = MemoryRegistry()
+        self.cluster = LocalCluster(
+            ClusterConfig(
+                prefill=0,
+                decode=0,
+                ttl_s=LEASE_S,
+                media=MEDIA,
+                engine=engine,
+                placements=[
+                    _placement(p, topology, decode_capacity, prefill_capacity)
+                    for p in self.placements
+                ],
+            ),
+            run_dir,
+        )
+        self.cluster.supervisor.ready_timeout_s = STARTUP_TIMEOUT_S
+        self._api: RegistrationServer | None = None
+        self.processes: dict[str, ManagedProcess] = {}
+        self.ready: dict[str, dict[str, Any]] = {}
 
-    def __enter__(self) -> DemoCluster:
+    async def start(self) -> dict[str, WorkerInfo]:
+        """Start every worker; their registrations, by worker id, once all registered."""
+        self._api = RegistrationServer(self.registry)
+        self.cluster.orchestrator_url = await self._api.start()
+        placements = self.cluster.config.worker_placements()
+        started = [self.cluster.start_worker(p, i) for i, p in enumerate(placements)]
         try:
-            self.start()
-        except BaseException:
-            self.close()
-            raise
-        return self
+            for placement, process in zip(placements, started, strict=True):
+                ready = await asyncio.to_thread(self.cluster.supervisor.wait_ready, process)
+                self.processes[placement.worker_id] = process
+                self.ready[placement.worker_id] = ready
+        except ClusterError as exc:
+            raise WorkerFailed(f"a demo worker did not start: {exc}") from None
+        infos = {w.worker_id: w for w in self.registry.workers()}
+        missing = sorted(set(self.processes) - set(infos))
+        if missing:
+            raise WorkerFailed(f"workers {', '.join(missing)} did not register")
+        return infos
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-    def start(self) -> None:
-        decode_inboxes = {
-            p.worker_id: self.inboxes[p.worker_id] for p in self.placements if p.role == "decode"
-        }
-        for placement in self.placements:
-            config = DemoWorkerConfig(
-                worker_id=placement.worker_id,
-                role=placement.role,
-                main_pid=os.getpid(),
-                secret=self._secret,
-                model=self._model,
-                seed=self._seed,
-                model_path=self._model_path,
-            )
-            process = self._context.Process(
-                target=worker_main,
-                args=(config, self.inboxes[placement.worker_id], self.events, decode_inboxes),
-                name=f"topkv-demo-{placement.worker_id}",
-                daemon=True,
-            )
-            process.start()
-            self.processes[placement.worker_id] = process
-        deadline = time.monotonic() + self._startup_timeout_s
-        while len(self.ready) < len(self.placements):
-            event = self.next_event(timeout=max(0.1, deadline - time.monotonic()))
-            if event is None:
-                if time.monotonic() >= deadline:
-                    missing = sorted(set(self.processes) - set(self.ready))
-                    raise WorkerFailed(f"workers {', '.join(missing)} did not start in time")
-                continue
-            if isinstance(event, Failed):
-                raise WorkerFailed(f"{event.worker_id} failed to start: {event.message}")
-            if isinstance(event, Ready):
-                self.ready[event.worker_id] = event
-        models = {r.model_id for r in self.ready.values()}
-        if len(models) != 1:
-            raise WorkerFailed(f"workers loaded different models: {sorted(models)}")
-
-    def send(self, worker_id: str, message: object) -> None:
-        self.inboxes[worker_id].put(message)
-
-    def next_event(self, timeout: float) -> Event | None:
-        """The next event from any worker, or None after ``timeout`` seconds.
-
-        Raises :class:`WorkerFailed` when a worker process has died.
-        """
-        try:
-            event: Event = self.events.get(timeout=timeout)
-        except queue.Empty:
-            self._check_alive()
-            return None
-        return event
-
-    def _check_alive(self) -> None:
+    def check_alive(self) -> None:
+        """Raise :class:`WorkerFailed` (with its log) if a worker process died."""
         for worker_id, process in self.processes.items():
-            if not process.is_alive():
+            if not process.alive():
                 raise WorkerFailed(
-                    f"worker {worker_id} (pid {process.pid}) exited with status {process.exitcode}"
+                    f"worker {worker_id} exited with status {process.popen.returncode}; its "
+                    f"log ends:\n{process.log_tail()}"
                 )
 
-    def close(self, grace_s: float = 5.0) -> None:
-        """Stop every worker: ask, then terminate, then kill; join all (idempotent)."""
-        if self._closed:
-            return
-        self._closed = True
-        for worker_id, process in self.processes.items():
-            if process.is_alive():
-                with contextlib.suppress(Exception):
-                    self.inboxes[worker_id].put(Stop())
-        deadline = time.monotonic() + grace_s
-        for process in self.processes.values():
-            process.join(max(0.0, deadline - time.monotonic()))
-        for process in self.processes.values():
-            if process.is_alive():
-                process.terminate()
-                process.join(2.0)
-            if process.is_alive():
-                process.kill()
-                process.join(2.0)
-        for q in (self.events, *self.inboxes.values()):
-            q.close()
-            q.cancel_join_thread()
-
     def pids(self) -> dict[str, int]:
-        return {worker_id: int(p.pid) for worker_id, p in self.processes.items()}
+        return {worker_id: p.pid for worker_id, p in self.processes.items()}
+
+    async def stop(self) -> None:
+        try:
+            await asyncio.to_thread(self.cluster.stop)  # SIGTERM, then SIGKILL: no orphans
+        finally:
+            if self._api is not None:
+                await self._api.close()
+
+
+def _placement(
+    placement: Placement, topology: Cluster, decode_capacity: int, prefill_capacity: int
+) -> WorkerPlacement:
+    """What ``topkv worker`` is told about its emulated GPU (the registry record the demo's
+    topology gives it, :func:`~topkv.demo.topology.worker_info`)."""
+    capacity = decode_capacity if placement.role == "decode" else prefill_capacity
+    info = worker_info(placement, topology, capacity=capacity)
+    return WorkerPlacement(
+        role=placement.role,
+        node=placement.node,
+        gpu=placement.gpu,
+        worker_id=placement.worker_id,
+        capacity=capacity,
+        nvlink_domain=info.nvlink_domain,
+        nvlink=info.capabilities.nvlink,
+        rdma=info.capabilities.rdma,
+    )

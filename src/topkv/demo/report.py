@@ -144,7 +144,8 @@ def summarize(
             "how": (
                 "each request submitted to the relay Orchestrator as its prefill starts "
                 "(deferred source digest): RoutingPolicy picks the decode worker, CostPolicy "
-                "the transport, DemoExecutor streams the layers; digest verified at the end"
+                "the transport, RemoteExecutor has the topkv worker processes stream the "
+                "layers as prefill publishes them; digest verified at the end"
             ),
             "transfers": sum(1 for r in results if r.attempts > 0),
             "attempts": sum(r.attempts for r in results),

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from topkv.demo import measure
 from topkv.demo.errors import DemoError
-from topkv.demo.protocol import Decoded, PrefillDone, Received, ReferenceDone, SendDone
+from topkv.demo.records import Decoded, PrefillDone, Received, ReferenceDone, SendDone
 from topkv.demo.topology import LinkChoice
 from topkv.demo.workload import DemoRequest
 

@@ -193,6 +193,11 @@ class WorkerPlacement:
     bind_host: str = "127.0.0.1"
     faults: WorkerFaults | None = None  # injected faults (``topkv chaos``); None: none
     engine: EngineSpec | None = None  # None: the cluster's engine
+    worker_id: str = ""  # "": ROLE-NODE-gpuI
+    capacity: int | None = None  # None: the cluster's
+    nvlink_domain: str | None = None  # what the worker advertises about its GPU
+    nvlink: bool = False
+    rdma: bool = False
 
 
 @dataclass
@@ -286,18 +291,23 @@ class LocalCluster:
             "--gpu",
             str(placement.gpu),
             "--worker-id",
-            f"{placement.role}-{placement.node}-gpu{placement.gpu}",
+            placement.worker_id or f"{placement.role}-{placement.node}-gpu{placement.gpu}",
             "--host",
             placement.bind_host,
             "--ttl",
             str(cfg.ttl_s),
             "--capacity",
-            str(cfg.capacity),
+            str(cfg.capacity if placement.capacity is None else placement.capacity),
             "--ready-file",
             str(ready),
         ]
         if placement.host_id:
             args += ["--host-id", placement.host_id]
+        if placement.nvlink_domain:
+            args += ["--nvlink-domain", placement.nvlink_domain]
+        args += [
+            flag for flag, on in (("--nvlink", placement.nvlink), ("--rdma", placement.rdma)) if on
+        ]
         engine = placement.engine or cfg.engine
         if engine.kind != "synthetic":
             args += engine.cli_args()

@@ -27,8 +27,9 @@ import asyncio
 import contextlib
 import json
 from collections import OrderedDict
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import aiohttp
 
@@ -39,8 +40,11 @@ from topkv.relay.workers import WorkerInfo
 from topkv.service.messages import (
     DecodeRequest,
     DecodeResult,
+    GenerateRequest,
+    GenerateResult,
     KVSummary,
     LayoutModel,
+    PacedLink,
     PrefillRequest,
     ReceiveReady,
     ReceiveRequest,
@@ -63,8 +67,20 @@ ENGINE_MEDIA_FOR_PATH: Mapping[str, tuple[str, ...]] = {
     "nvswitch": ("cuda",),
 }
 
-#: Requests remembered per table (forced media, prefill's first tokens).
+#: Requests remembered per table (forced media, prefill's first tokens, attempt reports).
 _REMEMBERED = 65_536
+
+#: ``pacing(plan, medium)``: the emulated path an attempt's send is paced to (None: none).
+Pacing = Callable[[AttemptPlan, str], PacedLink | None]
+
+
+@dataclass(frozen=True)
+class MoveReport:
+    """What both workers reported about one move of a KV: the sender's result (with its
+    per-layer stamps) and the destination's summary (with the arrival stamps)."""
+
+    sent: SendResult
+    held: KVSummary
 
 
 class RemoteExecutor:
@@ -76,13 +92,18 @@ class RemoteExecutor:
         *,
         call_timeout_s: float = 10.0,
         max_connections: int = 512,
+        pacing: Pacing | None = None,
     ) -> None:
+        """``pacing``: pace each attempt's send to an emulated path (an orchestrator whose
+        topology is emulated on one host, e.g. ``topkv demo``); None sends at full speed."""
         self.media = dict(DEFAULT_MEDIA if media is None else media)
+        self.pacing = pacing
         self.call_timeout_s = call_timeout_s
         self._max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None
         self._forced: OrderedDict[int, str] = OrderedDict()
         self._first_tokens: OrderedDict[int, int] = OrderedDict()
+        self._reports: OrderedDict[int, MoveReport] = OrderedDict()
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -125,6 +146,10 @@ class RemoteExecutor:
     def first_token(self, request_id: int) -> int | None:
         """Prefill's first token of ``request_id``, as its source reported it (once)."""
         return self._first_tokens.pop(request_id, None)
+
+    def delivered_report(self, request_id: int) -> MoveReport | None:
+        """The workers' report of ``request_id``'s delivered attempt (once)."""
+        return self._reports.pop(request_id, None)
 
     def _note(self, held: KVSummary) -> None:
         if held.first_token is not None:
@@ -176,7 +201,9 @@ class RemoteExecutor:
             raise ConfigError(f"{worker.worker_id} refused {path}: {detail}")
         raise _worker_error(worker, path, status, payload, text, not_found or unreachable)
 
-    async def source_digest(self, source: WorkerInfo, request_id: int, layout: KVLayout) -> int:
+    async def source_summary(self, source: WorkerInfo, request_id: int) -> KVSummary:
+        """The summary of the KV ``source`` holds for ``request_id``, answered once a running
+        prefill made it whole (with prefill's stamps and first token)."""
         payload = await self._call(
             source,
             "GET",
@@ -186,6 +213,11 @@ class RemoteExecutor:
             FailureKind.SOURCE_LOST,
         )
         held = KVSummary.model_validate(payload)
+        self._note(held)
+        return held
+
+    async def source_digest(self, source: WorkerInfo, request_id: int, layout: KVLayout) -> int:
+        held = await self.source_summary(source, request_id)
         if held.layout.to_layout() != layout:
             raise AttemptFailed(
                 FailureKind.SOURCE_LOST,
@@ -196,7 +228,6 @@ class RemoteExecutor:
             raise AttemptFailed(
                 FailureKind.SOURCE_LOST, f"{source.worker_id}: request {request_id} is not whole"
             )
-        self._note(held)
         return held.digest
 
     async def prefill(self, source: WorkerInfo, request_id: int, body: PrefillRequest) -> KVSummary:
@@ -230,6 +261,19 @@ class RemoteExecutor:
             refusal=True,
         )
         return DecodeResult.model_validate(payload)
+
+    async def generate(self, worker: WorkerInfo, body: GenerateRequest) -> GenerateResult:
+        """Have ``worker`` generate from a prompt alone (the single-process reference)."""
+        payload = await self._call(
+            worker,
+            "POST",
+            "/v1/generate",
+            body.model_dump_json(),
+            max(self.call_timeout_s, 120.0),
+            FailureKind.INTERNAL,
+            refusal=True,
+        )
+        return GenerateResult.model_validate(payload)
 
     async def held_digest(self, worker: WorkerInfo, request_id: int) -> int:
         """Digest of the KV ``worker`` holds for ``request_id`` (computed from its bytes)."""
@@ -276,57 +320,29 @@ class RemoteExecutor:
 
     async def transfer(self, plan: AttemptPlan) -> Delivery:
         medium = self.medium_for(plan)
-        timeout = plan.timeout_s + _HTTP_MARGIN_S
-        rid = plan.request_id
-        receive = ReceiveRequest(
-            request_id=rid,
-            model_id=plan.model_id,
-            layout=LayoutModel.of(plan.layout),
-            medium=medium,
-        )
-        ready = ReceiveReady.model_validate(
-            await self._call(
-                plan.destination,
-                "POST",
-                "/v1/receive",
-                receive.model_dump_json(),
-                self.call_timeout_s,
-                FailureKind.DESTINATION_DIED,
-            )
-        )
+        link = self.pacing(plan, medium) if self.pacing is not None else None
         try:
-            send = SendRequest(
-                request_id=rid,
-                destination=ready.address,
-                medium=medium,
-                timeout_s=plan.timeout_s,
-            )
-            sent = SendResult.model_validate(
-                await self._call(
-                    plan.source,
-                    "POST",
-                    "/v1/send",
-                    send.model_dump_json(),
-                    timeout,
-                    FailureKind.SOURCE_LOST,
-                )
-            )
-            held = KVSummary.model_validate(
-                await self._call(
-                    plan.destination,
-                    "POST",
-                    f"/v1/kv/{rid}/wait",
-                    WaitRequest(timeout_s=plan.timeout_s).model_dump_json(),
-                    timeout,
-                    FailureKind.DESTINATION_DIED,
-                    not_found=FailureKind.TRANSPORT,
-                )
+            report = await self._move(
+                plan.source,
+                plan.destination,
+                SendRequest(
+                    request_id=plan.request_id,
+                    destination="-",
+                    medium=medium,
+                    timeout_s=plan.timeout_s,
+                    link=link,
+                ),
+                plan.model_id,
+                plan.layout,
+                keep=True,
             )
         except BaseException:
             await asyncio.shield(self._abandon(plan))
             raise
+        _remember(self._reports, plan.request_id, report)
+        sent, held = report.sent, report.held
         return Delivery(
-            request_id=rid,
+            request_id=plan.request_id,
             destination=plan.destination.worker_id,
             transport=plan.transport,
             medium=medium,
@@ -335,6 +351,101 @@ class RemoteExecutor:
             digest=held.digest,
             emulated=sent.emulated,
         )
+
+    async def send_copy(
+        self,
+        source: WorkerInfo,
+        destination: WorkerInfo,
+        request_id: int,
+        transfer_id: int,
+        layout: KVLayout,
+        *,
+        model_id: str,
+        medium: str,
+        timeout_s: float,
+        link: PacedLink | None = None,
+        schedule: Literal["stream", "serial", "replay"] = "serial",
+    ) -> MoveReport:
+        """Send another copy of the KV ``source`` holds for ``request_id`` to
+        ``destination``, as transfer ``transfer_id``, which drains it (verifies, stamps and
+        releases it): a measurement of a path or schedule, outside any request's delivery."""
+        send = SendRequest(
+            request_id=request_id,
+            destination="-",
+            medium=medium,
+            timeout_s=timeout_s,
+            transfer_id=transfer_id,
+            link=link,
+            schedule=schedule,
+        )
+        try:
+            return await self._move(source, destination, send, model_id, layout, keep=False)
+        except BaseException:
+            with contextlib.suppress(AttemptFailed):
+                await self._call(
+                    source,
+                    "POST",
+                    f"/v1/kv/{transfer_id}/cancel",
+                    None,
+                    self.call_timeout_s,
+                    FailureKind.INTERNAL,
+                )
+            await self._drop(destination, transfer_id)
+            raise
+
+    async def _move(
+        self,
+        source: WorkerInfo,
+        destination: WorkerInfo,
+        send: SendRequest,
+        model_id: str,
+        layout: KVLayout,
+        *,
+        keep: bool,
+    ) -> MoveReport:
+        """Announce the receive, have the source send, wait for the verified copy."""
+        wire_id = send.request_id if send.transfer_id is None else send.transfer_id
+        timeout = send.timeout_s + _HTTP_MARGIN_S
+        receive = ReceiveRequest(
+            request_id=wire_id,
+            model_id=model_id,
+            layout=LayoutModel.of(layout),
+            medium=send.medium,
+            keep=keep,
+        )
+        ready = ReceiveReady.model_validate(
+            await self._call(
+                destination,
+                "POST",
+                "/v1/receive",
+                receive.model_dump_json(),
+                self.call_timeout_s,
+                FailureKind.DESTINATION_DIED,
+            )
+        )
+        send = send.model_copy(update={"destination": ready.address})
+        sent = SendResult.model_validate(
+            await self._call(
+                source,
+                "POST",
+                "/v1/send",
+                send.model_dump_json(),
+                timeout,
+                FailureKind.SOURCE_LOST,
+            )
+        )
+        held = KVSummary.model_validate(
+            await self._call(
+                destination,
+                "POST",
+                f"/v1/kv/{wire_id}/wait",
+                WaitRequest(timeout_s=send.timeout_s).model_dump_json(),
+                timeout,
+                FailureKind.DESTINATION_DIED,
+                not_found=FailureKind.TRANSPORT,
+            )
+        )
+        return MoveReport(sent, held)
 
     async def _abandon(self, plan: AttemptPlan) -> None:
         """Stop the source sending and drop anything that reached the destination."""
