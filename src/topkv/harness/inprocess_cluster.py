@@ -1,0 +1,181 @@
+"""Real workers in this event loop: :class:`~topkv.service.worker.WorkerService` instances,
+each with its sinks, KV store and control API, registered straight into one registry.
+
+This is how tests and ``topkv chaos --mode inprocess`` run a cluster without processes: the
+workers are the same class as ``topkv worker`` (started in-process, not a second
+implementation), so a :class:`~topkv.service.remote_executor.RemoteExecutor` drives them over
+their control APIs on loopback and their KV really crosses shared memory or TCP.
+
+:meth:`InProcessCluster.kill` crashes one worker: it leaves the registry at once (as a
+supervisor that saw a process die removes it), so the orchestrator abandons every attempt to
+it, and then dies the way a crashed worker dies (:meth:`WorkerService.kill`: no goodbye to
+the registry, its control API and sinks close, every copy it held is lost).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+from dataclasses import dataclass, field
+
+from topkv.errors import TopKVError
+from topkv.relay.registry import MemoryRegistry, Registration, WorkerRegistry
+from topkv.relay.workers import Role, WorkerInfo
+from topkv.service.engines import EngineSpec
+from topkv.service.errors import ServiceError
+from topkv.service.kvstore import HeldKV
+from topkv.service.worker import WorkerConfig, WorkerFaults, WorkerService
+
+__all__ = ["InProcessCluster", "SharedRegistrar", "WorkerSpec"]
+
+
+class SharedRegistrar:
+    """A :class:`~topkv.service.registrar.Registrar` into a registry another party owns.
+
+    Registers on the calling (event-loop) thread, so the orchestrator's view sees the
+    change at once; ``close`` leaves the registry open (the cluster owns it) and
+    :meth:`forget` removes the worker now.
+    """
+
+    def __init__(self, registry: WorkerRegistry) -> None:
+        self._registry = registry
+        self._registration: Registration | None = None
+
+    async def register(self, info: WorkerInfo, ttl_s: float) -> None:
+        try:
+            self._registration = self._registry.register(info, ttl_s)
+        except TopKVError as exc:
+            raise ServiceError(f"registration failed: {exc}") from exc
+
+    async def heartbeat(self) -> None:
+        if self._registration is None:
+            raise ServiceError("not registered")
+        try:
+            self._registration.heartbeat()
+        except TopKVError as exc:
+            raise ServiceError(str(exc)) from exc
+
+    async def deregister(self) -> None:
+        self.forget()
+
+    def forget(self) -> None:
+        """Deregister now (idempotent)."""
+        registration, self._registration = self._registration, None
+        if registration is not None:
+            with contextlib.suppress(TopKVError):
+                registration.deregister()
+
+    async def close(self) -> None:
+        return None
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """One in-process worker: where it is and what it does (see :class:`WorkerConfig`)."""
+
+    role: Role
+    node: str
+    gpu: int
+    worker_id: str = ""
+    host_id: str = "inprocess"
+    capacity: int = 8
+    faults: WorkerFaults = field(default_factory=WorkerFaults)
+    media: tuple[str, ...] = ("tcp", "shm")
+    engine: EngineSpec = field(default_factory=EngineSpec)
+
+
+class InProcessCluster:
+    """Workers (:class:`WorkerService`) started in the running event loop, sharing one
+    transport secret and one registry (a :class:`MemoryRegistry` unless given)."""
+
+    def __init__(
+        self,
+        registry: WorkerRegistry | None = None,
+        *,
+        ttl_s: float = 10.0,
+        secret: bytes | None = None,
+    ) -> None:
+        self.registry: WorkerRegistry = registry if registry is not None else MemoryRegistry()
+        self.ttl_s = ttl_s
+        self.secret = secret if secret is not None else secrets.token_bytes(32)
+        self.workers: dict[str, WorkerService] = {}
+        self.killed: dict[str, WorkerService] = {}
+        self._registrars: dict[str, SharedRegistrar] = {}
+        self._dying: set[asyncio.Task[None]] = set()
+
+    async def start_worker(self, spec: WorkerSpec) -> WorkerService:
+        """Start one worker and register it; returns the running service."""
+        config = WorkerConfig(
+            role=spec.role,
+            node=spec.node,
+            secret=self.secret,
+            gpus=(spec.gpu,),
+            worker_id=spec.worker_id,
+            host_id=spec.host_id,
+            capacity=spec.capacity,
+            ttl_s=self.ttl_s,
+            faults=spec.faults,
+            engine=spec.engine,
+            media=spec.media,
+        )
+        registrar = SharedRegistrar(self.registry)
+        service = WorkerService(config, registrar=registrar)
+        if service.worker_id in self.workers:
+            raise ServiceError(f"worker {service.worker_id} is already running here")
+        try:
+            await service.start()
+        except BaseException:
+            await service.stop()
+            raise
+        self.workers[service.worker_id] = service
+        self._registrars[service.worker_id] = registrar
+        return service
+
+    async def start(self, specs: list[WorkerSpec]) -> list[WorkerService]:
+        """Start ``specs`` in order (one at a time: their engines and sinks start cheaply)."""
+        return [await self.start_worker(spec) for spec in specs]
+
+    def info(self, worker_id: str) -> WorkerInfo:
+        """The registration of a running worker."""
+        info = self.workers[worker_id].info
+        assert info is not None, "started workers have their info"
+        return info
+
+    def held(self, worker_id: str) -> list[int]:
+        """The request ids whose KV ``worker_id`` (running or killed) holds."""
+        service = self.workers.get(worker_id) or self.killed[worker_id]
+        return sorted(kv.request_id for kv in service.store.all())
+
+    def take(self, worker_id: str, request_id: int) -> HeldKV | None:
+        """Decode takes the KV ``worker_id`` holds for ``request_id`` out of its store (the
+        caller frees it); None when it holds none."""
+        return self.workers[worker_id].store.pop(request_id)
+
+    def kill(self, worker_id: str) -> asyncio.Task[None]:
+        """Crash ``worker_id``: it leaves the registry now (before this returns, so no
+        delivery to it can be handed to decode after this call), then dies like a crashed
+        worker. Await the returned task to wait until it is gone."""
+        service = self.workers.pop(worker_id)
+        self.killed[worker_id] = service
+        self._registrars.pop(worker_id).forget()
+        task = asyncio.ensure_future(service.kill())
+        self._dying.add(task)
+        task.add_done_callback(self._dying.discard)
+        return task
+
+    async def stop(self) -> None:
+        """Stop every worker (they deregister) and wait for the killed ones to be gone."""
+        services, self.workers = list(self.workers.values()), {}
+        self._registrars = {}
+        for service in reversed(services):
+            with contextlib.suppress(ServiceError):
+                await service.stop()
+        if self._dying:
+            await asyncio.wait(set(self._dying))
+
+    async def __aenter__(self) -> InProcessCluster:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
