@@ -1,39 +1,40 @@
 """Fault injection against a real relay, and the accounting that proves nothing was lost.
 
 :func:`run_chaos` builds a local cluster, runs N transfers through the orchestrator, and
-injects faults. Two modes (``ChaosConfig.mode``):
+injects faults. The workers are always :class:`~topkv.service.worker.WorkerService`s,
+driven by one :class:`~topkv.service.remote_executor.RemoteExecutor` over their control
+APIs, with the orchestrator in this process; only where the workers run differs
+(``ChaosConfig.mode``):
 
-* ``processes`` (the default): prefill and decode workers are real ``topkv worker``
-  processes (:class:`~topkv.service.cluster.LocalCluster`) with their own transfer
-  endpoints, KV stores and control APIs; the orchestrator runs in this process with a
-  :class:`~topkv.service.remote_executor.RemoteExecutor` and serves the workers'
-  registration endpoints. Faults are injected inside the workers
-  (:class:`~topkv.service.worker.WorkerFaults`), a decode worker *process* is SIGKILLed,
-  and every delivered KV is checked by digest: the decode worker's digest of the bytes it
-  holds against the prefill worker's digest of what it generated.
-* ``inprocess``: the workers are objects in this process, still talking over real shared
-  memory and TCP on loopback (:mod:`topkv.harness.chaos_inprocess`).
+* ``processes`` (the default): real ``topkv worker`` processes
+  (:class:`~topkv.service.cluster.LocalCluster`) that register over this process's
+  registration endpoints (:class:`~topkv.service.registrations.RegistrationServer`);
+* ``inprocess``: the same workers started in this event loop and registered straight into
+  the orchestrator's registry (:mod:`topkv.harness.chaos_inprocess`), still moving their
+  KV over real shared memory and TCP on loopback.
 
-Faults:
+Faults (the same in both modes, injected inside the workers by
+:class:`~topkv.service.worker.WorkerFaults`; see :func:`~topkv.harness.chaos_config.placements`):
 
 * **bit flips in frames**: a :class:`CorruptingSource` flips one bit of one tensor of a
   transfer with probability ``corrupt_rate`` *after* the per-tensor CRC-64 was taken, so
   the frame leaves with its original CRC and corrupted bytes (what a flipped bit on the
   wire looks like to the receiver);
-* **a decode worker killed mid-run** after ``kill_decoder_after`` delivered transfers:
-  SIGKILL of its process (``processes``; the supervisor reaps it and removes its
-  registration at once), or it leaves the registry and its sinks close under the
-  transfers in flight to it (``inprocess``);
-* **a slowed link**: transfers from one prefill worker to one decode worker are paced to
-  ``slow_link_gbps`` (:class:`~topkv.transport.emulated.EmulatedSource` over the real
-  medium; in ``processes`` every send of the last prefill worker is paced).
+* **a decode worker killed mid-run** after ``kill_decoder_after`` delivered transfers,
+  while a transfer to it runs: SIGKILL of its process (``processes``), or
+  :meth:`WorkerService.kill` (``inprocess``: its control API and sinks close and its copies
+  are lost); in both the supervisor removes its registration at once, and the orchestrator
+  abandons and reroutes the transfers in flight to it;
+* **a slowed link**: every send of the last prefill worker is paced to ``slow_link_gbps``
+  (:class:`~topkv.transport.emulated.EmulatedSource` over the real medium).
 
-Accounting: every request's content digest (CRC-64 over all its bytes) is taken when its
-KV is created; every delivered copy is checked against it at the decode worker.
-``stranded_after`` counts what is still held after the run: KV held, being received or
-being sent by every live worker (source KV and destination copies), active transfer
-records, decode slots, named ``/dev/shm`` segments of the cluster's processes, and
-registry entries of the killed worker.
+Accounting: each request's KV digest (over the CRC-64s of its bytes) is taken by the
+prefill worker that produced it; every delivered copy is checked against the decode
+worker's digest of the bytes it holds. ``stranded_after`` counts what is still held after
+the run: KV held, being received or being sent by every live worker (source KV and
+destination copies), active transfer records, decode slots, named ``/dev/shm`` segments of
+the cluster's processes (before and after the workers stop), and registry entries of the
+killed worker.
 """
 
 from __future__ import annotations
@@ -43,43 +44,105 @@ import contextlib
 import os
 import time
 from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from topkv.errors import TopKVError
-from topkv.harness.chaos_config import REPORT_KEYS, ChaosConfig, ChaosReport
-from topkv.harness.chaos_inprocess import run_inprocess
+from topkv.harness.chaos_config import REPORT_KEYS, ChaosConfig, ChaosReport, placements
+from topkv.harness.chaos_inprocess import InProcessWorkers
 from topkv.relay.executor import AttemptFailed, AttemptPlan, Delivery
 from topkv.relay.orchestrator import Orchestrator
 from topkv.relay.registry import MemoryRegistry
 from topkv.relay.transfers import Outcome
 from topkv.relay.workers import WorkerInfo
 from topkv.service.client import http_json
-from topkv.service.cluster import ClusterConfig, LocalCluster, WorkerPlacement
+from topkv.service.cluster import ClusterConfig, LocalCluster
 from topkv.service.errors import ClusterError
 from topkv.service.messages import LayoutModel, PrefillRequest
 from topkv.service.registrations import RegistrationServer
 from topkv.service.remote_executor import RemoteExecutor
-from topkv.service.worker import WorkerFaults
 from topkv.transport.shm import segments_of
 
 if TYPE_CHECKING:
     from topkv.service.cluster import ManagedProcess
 
-__all__ = ["REPORT_KEYS", "ChaosConfig", "ChaosReport", "run_chaos"]
+__all__ = ["REPORT_KEYS", "ChaosConfig", "ChaosReport", "ChaosWorkers", "run_chaos"]
 
 
 async def run_chaos(config: ChaosConfig) -> ChaosReport:
     """Run the chaos scenario (in ``config.mode``) and return its accounting."""
-    if config.mode == "processes":
-        return await _run_processes(config)
-    return await run_inprocess(config)
+    workers: ChaosWorkers = (
+        ProcessWorkers(config) if config.mode == "processes" else InProcessWorkers(config)
+    )
+    return await _run(config, workers)
 
 
-# -- processes mode --------------------------------------------------------------------------
+class ChaosWorkers(Protocol):
+    """Where a chaos run's workers live: processes, or this event loop."""
+
+    async def start(self, registry: MemoryRegistry) -> list[str]:
+        """Start the workers of :func:`placements`, which register in ``registry``;
+        returns the decode workers' ids in placement order."""
+        ...
+
+    def kill(self, worker_id: str) -> None:
+        """Crash ``worker_id`` now, without awaiting: it is out of the registry when this
+        returns (its teardown may end later; :meth:`stop` waits for it)."""
+        ...
+
+    def pids(self) -> list[int]:
+        """The worker processes besides this one (their ``/dev/shm`` segments count)."""
+        ...
+
+    async def stop(self) -> None:
+        """Stop every worker (they deregister) and whatever was started for them."""
+        ...
+
+
+class ProcessWorkers:
+    """``topkv worker`` processes under a :class:`LocalCluster`, registering over HTTP here."""
+
+    def __init__(self, config: ChaosConfig) -> None:
+        self.config = config
+        self.cluster = LocalCluster(
+            ClusterConfig(
+                prefill=config.prefill_workers,
+                decode=config.decode_workers,
+                capacity=config.worker_capacity(),
+                ttl_s=5.0,
+            ),
+            config.run_dir,
+        )
+        self.api: RegistrationServer | None = None
+        self.processes: dict[str, ManagedProcess] = {}
+
+    async def start(self, registry: MemoryRegistry) -> list[str]:
+        self.api = RegistrationServer(registry)
+        self.cluster.orchestrator_url = await self.api.start()
+        started = [self.cluster.start_worker(p, i) for i, p in enumerate(placements(self.config))]
+        for process in started:
+            await asyncio.to_thread(self.cluster.supervisor.wait_ready, process)
+            self.processes[str(process.ready["worker_id"])] = process
+        return [wid for wid, p in self.processes.items() if p.ready.get("role") == "decode"]
+
+    def kill(self, worker_id: str) -> None:
+        assert self.api is not None
+        self.cluster.supervisor.kill(self.processes[worker_id])  # SIGKILL, then reap
+        self.api.forget(worker_id)  # the supervisor saw it die: it leaves at once
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.cluster.supervisor.processes]
+
+    async def stop(self) -> None:
+        try:
+            await asyncio.to_thread(self.cluster.stop)  # SIGTERM: workers deregister, exit
+        finally:
+            if self.api is not None:
+                await self.api.close()
 
 
 class _CountingRemoteExecutor(RemoteExecutor):
-    """Counts concurrent attempts (in all, and per destination) on its own."""
+    """Counts concurrent attempts (in all, and per destination) on its own, and can hold back
+    the copies that land at one worker (:meth:`park`) until it is killed."""
 
     active = 0
     peak = 0
@@ -87,6 +150,16 @@ class _CountingRemoteExecutor(RemoteExecutor):
     def __init__(self, call_timeout_s: float) -> None:
         super().__init__(call_timeout_s=call_timeout_s)
         self.active_to: dict[str, int] = {}
+        self._parked_to: str | None = None
+        self._unparked = asyncio.Event()
+
+    def park(self, worker_id: str) -> None:
+        """From now on, an attempt to ``worker_id`` that landed a verified copy waits (still
+        running) before it reports the delivery, until :meth:`unpark`."""
+        self._parked_to = worker_id
+
+    def unpark(self) -> None:
+        self._unparked.set()
 
     async def transfer(self, plan: AttemptPlan) -> Delivery:
         destination = plan.destination.worker_id
@@ -94,40 +167,30 @@ class _CountingRemoteExecutor(RemoteExecutor):
         self.active_to[destination] = self.active_to.get(destination, 0) + 1
         self.peak = max(self.peak, self.active)
         try:
-            return await super().transfer(plan)
+            delivery = await super().transfer(plan)
+            if destination == self._parked_to and not self._unparked.is_set():
+                try:
+                    await self._unparked.wait()
+                except BaseException:  # cancelled while parked: leave nothing behind
+                    await asyncio.shield(
+                        self.discard_destination(plan.destination, plan.request_id)
+                    )
+                    raise
+            return delivery
         finally:
             self.active -= 1
             self.active_to[destination] -= 1
 
 
-def _placements(config: ChaosConfig) -> list[WorkerPlacement]:
-    """Two nodes on one host: same-node pairs use shm, cross-node pairs TCP."""
-    placements = []
-    for i in range(config.prefill_workers):
-        slowed = config.slow_link_gbps is not None and i == config.prefill_workers - 1
-        faults = WorkerFaults(
-            corrupt_rate=config.corrupt_rate,
-            seed=config.seed * 1000 + i,
-            slow_gbps=config.slow_link_gbps if slowed else None,
-        )
-        placements.append(
-            WorkerPlacement("prefill", f"chaos{i % 2}", i // 2, host_id="chaos", faults=faults)
-        )
-    for i in range(config.decode_workers):
-        placements.append(WorkerPlacement("decode", f"chaos{i % 2}", 4 + i // 2, host_id="chaos"))
-    return placements
+class _Run:
+    """One chaos run (either mode): the driver, the decode stand-in and the accounting."""
 
-
-class _ProcessRun:
-    """One processes-mode run: the driver, the decode stand-in and the accounting."""
-
-    def __init__(self, config: ChaosConfig, cluster: LocalCluster) -> None:
+    def __init__(self, config: ChaosConfig, workers: ChaosWorkers) -> None:
         self.config = config
-        self.cluster = cluster
+        self.workers = workers
         self.layout = config.layout()
         self.report = ChaosReport()
         self.registry = MemoryRegistry()
-        self.api = RegistrationServer(self.registry)
         self.executor = _CountingRemoteExecutor(call_timeout_s=10.0)
         self.orch = Orchestrator(
             self.registry,
@@ -141,27 +204,21 @@ class _ProcessRun:
         self.ended: set[int] = set()
         self.taking: dict[str, int] = {}
         self.tasks: set[asyncio.Task[None]] = set()
-        self.victim: ManagedProcess | None = None
-        self.victim_id = ""
+        self.victim_id: str | None = None
         self.all_done = asyncio.Event()
 
     # -- cluster ---------------------------------------------------------------------------
 
     async def start_workers(self) -> None:
-        self.cluster.orchestrator_url = await self.api.start()
-        placements = _placements(self.config)
-        processes = [self.cluster.start_worker(p, i) for i, p in enumerate(placements)]
-        for process in processes:
-            await asyncio.to_thread(self.cluster.supervisor.wait_ready, process)
+        decoders = await self.workers.start(self.registry)
+        expected = len(placements(self.config))
         deadline = time.monotonic() + 60.0
-        while len(self.registry.workers()) < len(placements):
+        while len(self.registry.workers()) < expected:
             if time.monotonic() > deadline:
                 raise ClusterError("the chaos workers did not all register within 60 s")
             await asyncio.sleep(0.02)
         if self.config.kill_decoder_after is not None:
-            decoders = [p for p in processes if p.ready.get("role") == "decode"]
-            self.victim = decoders[0]
-            self.victim_id = str(decoders[0].ready["worker_id"])
+            self.victim_id = decoders[0]
 
     def _infos(self, role: Literal["prefill", "decode"]) -> list[WorkerInfo]:
         return sorted(self.registry.workers(role), key=lambda w: w.worker_id)
@@ -255,24 +312,30 @@ class _ProcessRun:
             self.window.release()
 
     def _maybe_kill(self) -> None:
-        """SIGKILL the victim once K were delivered, mid-transfer, holding no untaken KV.
+        """Kill the victim once K were delivered, mid-transfer, holding no untaken KV.
 
         Mid-transfer: at least one attempt to it is running, so the kill always interrupts
         a transfer. No untaken KV: decode takes each verified copy as it is handed off, so
         the crash cannot destroy a copy decode already owns (no transfer system can save
-        that one; the request would be recomputed).
+        that one; the request would be recomputed). Once K were delivered, a copy landing
+        at the victim is held back before its handoff (:meth:`_CountingRemoteExecutor.park`:
+        its attempt is still running), so the takes under way finish and none start: the
+        kill comes as soon as they are done, and the held-back attempts then fail the way
+        an acknowledgement lost in a crash fails them (the orchestrator reroutes them).
         """
-        kill_after = self.config.kill_decoder_after
-        if self.victim is None or self.report.killed is not None or kill_after is None:
+        kill_after, victim = self.config.kill_decoder_after, self.victim_id
+        if victim is None or self.report.killed is not None or kill_after is None:
             return
-        if self.report.delivered < kill_after or self.taking.get(self.victim_id, 0):
+        if self.report.delivered < kill_after:
             return
-        if not self.executor.active_to.get(self.victim_id, 0):
+        self.executor.park(victim)
+        if self.taking.get(victim, 0) or not self.executor.active_to.get(victim, 0):
             return
-        # No await from here on: nothing can be handed to the victim in between.
-        self.cluster.supervisor.kill(self.victim)  # SIGKILL, then reap
-        self.api.forget(self.victim_id)  # the supervisor saw it die: it leaves at once
-        self.report.killed = self.victim_id
+        # No await from here on: nothing can be handed to the victim in between, and it
+        # is out of the registry (and the orchestrator's view) before anything else runs.
+        self.workers.kill(victim)
+        self.report.killed = victim
+        self.executor.unpark()
 
     # -- accounting ------------------------------------------------------------------------
 
@@ -290,7 +353,7 @@ class _ProcessRun:
             "active_transfers": self.orch.transfers.active_count,
             "decode_slots": sum(self.orch.slots_used(w.worker_id) for w in self._infos("decode")),
             "registry_entries_of_killed": int(
-                self.report.killed is not None and self.registry.get(self.victim_id) is not None
+                self.report.killed is not None and self.registry.get(self.report.killed) is not None
             ),
             "shm_segments": self.shm_segments(),
         }
@@ -310,7 +373,7 @@ class _ProcessRun:
         return detail
 
     def shm_segments(self) -> int:
-        pids = [os.getpid(), *(p.pid for p in self.cluster.supervisor.processes)]
+        pids = [os.getpid(), *self.workers.pids()]
         return sum(len(segments_of(pid)) for pid in pids)
 
     def tally(self) -> None:
@@ -328,18 +391,9 @@ class _ProcessRun:
                 report.by_medium[record.medium] = report.by_medium.get(record.medium, 0) + 1
 
 
-async def _run_processes(config: ChaosConfig) -> ChaosReport:
+async def _run(config: ChaosConfig, workers: ChaosWorkers) -> ChaosReport:
     started = time.perf_counter()
-    cluster = LocalCluster(
-        ClusterConfig(
-            prefill=config.prefill_workers,
-            decode=config.decode_workers,
-            capacity=max(2 * config.limit, config.decode_capacity),
-            ttl_s=5.0,
-        ),
-        config.run_dir,
-    )
-    run = _ProcessRun(config, cluster)
+    run = _Run(config, workers)
     report = run.report
     try:
         await run.start_workers()
@@ -358,8 +412,7 @@ async def _run_processes(config: ChaosConfig) -> ChaosReport:
             detail = await run.settled_stranded()
         await run.executor.close()
     finally:
-        await asyncio.to_thread(cluster.stop)  # SIGTERM: workers deregister here, then exit
-        await run.api.close()
+        await workers.stop()
     detail["shm_segments_after_stop"] = run.shm_segments()
     report.stranded_detail = detail
     report.stranded_after = sum(detail.values())

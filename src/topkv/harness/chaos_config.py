@@ -1,4 +1,5 @@
-"""What a chaos run is told to do (:class:`ChaosConfig`) and what it found (:class:`ChaosReport`).
+"""What a chaos run is told to do (:class:`ChaosConfig`), where its workers run
+(:func:`placements`) and what it found (:class:`ChaosReport`).
 
 The scenario itself is :func:`topkv.harness.chaos.run_chaos`.
 """
@@ -11,6 +12,8 @@ from typing import Literal
 
 from topkv.errors import ConfigError
 from topkv.relay.orchestrator_config import OrchestratorConfig, RetryPolicy
+from topkv.service.cluster import WorkerPlacement
+from topkv.service.worker_config import WorkerFaults
 from topkv.transport.base import KVLayout
 
 REPORT_KEYS = (
@@ -73,11 +76,36 @@ class ChaosConfig:
             route_wait_s=30.0,
         )
 
+    def worker_capacity(self) -> int:
+        """KV caches each worker may hold (and decode slots each decode worker offers): the
+        driver keeps up to twice the limit outstanding, all of them possibly on one worker."""
+        return max(2 * self.limit, self.decode_capacity)
+
     def layout(self) -> KVLayout:
         """A KV layout of about ``size_bytes`` (K and V per layer, fp16, 8 heads x 128)."""
         per_token = 2 * 8 * 128 * 2  # K+V, 8 heads, head_dim 128, fp16
         seq_len = max(1, self.size_bytes // (self.layers * per_token))
         return KVLayout(self.layers, seq_len, 8, 128, "fp16")
+
+
+def placements(config: ChaosConfig) -> list[WorkerPlacement]:
+    """The chaos cluster (both modes): two nodes on one host, so same-node pairs use shm and
+    cross-node pairs TCP. Every prefill worker flips bits at ``corrupt_rate`` (its own seed);
+    the last one also paces every send to ``slow_link_gbps``."""
+    found = []
+    for i in range(config.prefill_workers):
+        slowed = config.slow_link_gbps is not None and i == config.prefill_workers - 1
+        faults = WorkerFaults(
+            corrupt_rate=config.corrupt_rate,
+            seed=config.seed * 1000 + i,
+            slow_gbps=config.slow_link_gbps if slowed else None,
+        )
+        found.append(
+            WorkerPlacement("prefill", f"chaos{i % 2}", i // 2, host_id="chaos", faults=faults)
+        )
+    for i in range(config.decode_workers):
+        found.append(WorkerPlacement("decode", f"chaos{i % 2}", 4 + i // 2, host_id="chaos"))
+    return found
 
 
 @dataclass
