@@ -1,63 +1,92 @@
-"""The orchestrator over real transports (shm, TCP), real registries, and /metrics over HTTP."""
+"""The orchestrator over real transports (shm, TCP), real registries, and /metrics over HTTP.
+
+The workers are :class:`~topkv.service.worker.WorkerService` instances in the test's event
+loop (:class:`~topkv.harness.inprocess_cluster.InProcessCluster`), driven over their control
+APIs by a :class:`~topkv.service.remote_executor.RemoteExecutor`.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import urllib.request
+from collections.abc import Iterable, Sequence
 
-from topkv.relay.inprocess import (
-    DecodeWorker,
-    InProcessExecutor,
-    PrefillWorker,
-    content_digest,
-    new_secret,
-)
+from topkv.harness.inprocess_cluster import InProcessCluster, WorkerSpec
 from topkv.relay.metrics import serve_metrics
 from topkv.relay.orchestrator import Orchestrator
 from topkv.relay.orchestrator_config import OrchestratorConfig
 from topkv.relay.registry import MemoryRegistry, WorkerRegistry, open_registry
 from topkv.relay.transfers import Outcome, TransferState
-from topkv.relay.workers import WorkerInfo
-from topkv.transport.base import KVLayout, TransferSource, TransportMode
-from topkv.transport.emulated import EmulatedSource, LinkModel
+from topkv.relay.workers import Role, WorkerInfo
+from topkv.service.kvstore import synthetic_layers
+from topkv.service.messages import LayoutModel, PrefillRequest
+from topkv.service.remote_executor import RemoteExecutor
+from topkv.service.worker import WorkerFaults
+from topkv.transport.base import Buffer, KVLayout
 from topkv.transport.shm import segments_of
+from topkv.wire import crc64
 
 LAYOUT = KVLayout(num_layers=4, seq_len=256, kv_heads=2, head_dim=64)  # 512 KiB
 
 
-def _kv(seed: int) -> list[tuple[bytes, bytes]]:
-    rnd = os.urandom(LAYOUT.tensor_bytes * 2 * LAYOUT.num_layers)
-    size = LAYOUT.tensor_bytes
-    return [
-        (rnd[(2 * i) * size : (2 * i + 1) * size], rnd[(2 * i + 1) * size : (2 * i + 2) * size])
-        for i in range(LAYOUT.num_layers)
-    ]
+def content_digest(layers: Iterable[Sequence[Buffer]]) -> int:
+    """CRC-64 of every byte of a KV cache in layout order (an end-to-end content check)."""
+    crc = 0
+    for tensors in layers:
+        for tensor in tensors:
+            crc = crc64(tensor, crc)
+    return crc
 
 
-def _info(worker_id: str, role: str, node: str, gpu: int, host: str = "h") -> WorkerInfo:
-    return WorkerInfo(worker_id=worker_id, role=role, node=node, gpus=(gpu,), host_id=host)  # type: ignore[arg-type]
+def _expected(request_id: int) -> int:
+    """The content digest of the bytes the synthetic engine produces for ``request_id``."""
+    return content_digest(tensors for tensors, _ in synthetic_layers(request_id, "m", LAYOUT))
+
+
+def _spec(
+    worker_id: str,
+    role: Role,
+    node: str,
+    gpu: int,
+    host: str = "h",
+    faults: WorkerFaults | None = None,
+) -> WorkerSpec:
+    return WorkerSpec(
+        role, node, gpu, worker_id=worker_id, host_id=host, faults=faults or WorkerFaults()
+    )
+
+
+async def _prefill(executor: RemoteExecutor, source: WorkerInfo, request_id: int) -> None:
+    """The prefill worker's engine produces request ``request_id``'s KV (and holds it)."""
+    body = PrefillRequest(model_id="m", layout=LayoutModel.of(LAYOUT))
+    await executor.prefill(source, request_id, body)
+
+
+def _info(worker_id: str, role: Role, node: str, gpu: int) -> WorkerInfo:
+    return WorkerInfo(worker_id=worker_id, role=role, node=node, gpus=(gpu,), host_id="h")
 
 
 def test_real_bytes_over_shm_and_tcp_with_metrics_scraped_over_http() -> None:
     async def main() -> None:
         registry = MemoryRegistry()
-        secret = new_secret()
-        prefill = PrefillWorker(_info("p0", "prefill", "n0", 0), secret)
-        near = DecodeWorker(_info("d-near", "decode", "n0", 1), secret)
-        far = DecodeWorker(_info("d-far", "decode", "n1", 0), secret)
-        executor = InProcessExecutor([prefill, near, far])
-        for worker in (prefill, near, far):
-            worker.register(registry)
+        cluster = InProcessCluster(registry)
+        executor = RemoteExecutor()
+        await cluster.start(
+            [
+                _spec("p0", "prefill", "n0", 0),
+                _spec("d-near", "decode", "n0", 1),
+                _spec("d-far", "decode", "n1", 0),
+            ]
+        )
         orch = Orchestrator(registry, executor)
         server = serve_metrics(orch.metrics)
         try:
             async with orch:
                 expected = {}
                 for rid, override in [(1, None), (2, "tcp")]:
-                    layers = _kv(rid)
-                    expected[rid] = content_digest(layers)
-                    prefill.hold(rid, "m", LAYOUT, layers)
+                    expected[rid] = _expected(rid)
+                    await _prefill(executor, cluster.info("p0"), rid)
                     await orch.submit(rid, "m", LAYOUT, "p0", manual_override=override)
                 for rid in (1, 2):
                     record = await orch.wait(rid, 10)
@@ -66,11 +95,11 @@ def test_real_bytes_over_shm_and_tcp_with_metrics_scraped_over_http() -> None:
                 assert (shm_rec.transport, shm_rec.medium) == ("pcie", "shm")
                 assert (tcp_rec.transport, tcp_rec.medium) == ("tcp", "tcp")
                 for rid, rec in ((1, shm_rec), (2, tcp_rec)):
-                    kv = (near if rec.destination == "d-near" else far).take(rid)
+                    kv = cluster.take("d-near" if rec.destination == "d-near" else "d-far", rid)
                     assert kv is not None and content_digest(kv.layers) == expected[rid]
-                    kv.release()
+                    kv.free()
                     orch.release_decode_slot(rid)
-                assert prefill.held() == []
+                assert cluster.held("p0") == []
                 body = urllib.request.urlopen(server.url, timeout=5).read().decode()
                 assert 'topkv_transfers_total{mode="pcie",outcome="delivered"} 1.0' in body
                 assert 'topkv_transfers_total{mode="tcp",outcome="delivered"} 1.0' in body
@@ -81,6 +110,7 @@ def test_real_bytes_over_shm_and_tcp_with_metrics_scraped_over_http() -> None:
         finally:
             server.close()
             await executor.close()
+            await cluster.stop()
         assert segments_of(os.getpid()) == []
 
     asyncio.run(main())
@@ -89,37 +119,38 @@ def test_real_bytes_over_shm_and_tcp_with_metrics_scraped_over_http() -> None:
 def test_killed_destination_mid_transfer_is_rerouted_and_nothing_is_stranded() -> None:
     async def main() -> None:
         registry = MemoryRegistry()
-        secret = new_secret()
-
-        def slow(medium: str, source: TransferSource) -> TransferSource:
-            # ~0.5 s per transfer: long enough to kill the destination mid-way
-            return EmulatedSource(source, LinkModel(TransportMode(source.mode), 0.004, 0.0))
-
-        prefill = PrefillWorker(_info("p0", "prefill", "n0", 0), secret, slow)
-        victim = DecodeWorker(_info("d0", "decode", "n0", 1), secret)
-        spare = DecodeWorker(_info("d1", "decode", "n0", 2), secret)
-        executor = InProcessExecutor([prefill, victim, spare])
-        for worker in (prefill, victim, spare):
-            worker.register(registry)
-        async with Orchestrator(registry, executor) as orch:
-            layers = _kv(1)
-            prefill.hold(1, "m", LAYOUT, layers)
-            record = await orch.submit(1, "m", LAYOUT, "p0")
-            while record.state != TransferState.RUNNING:
-                await asyncio.sleep(0.01)
-            first = record.destination
-            dead = victim if first == "d0" else spare
-            await asyncio.sleep(0.1)
-            dead.kill()
-            await orch.wait(1, 20)
-            assert record.state == TransferState.DELIVERED, record.reason
-            assert record.reroutes == 1 and record.destination != first
-            alive = spare if dead is victim else victim
-            kv = alive.take(1)
-            assert kv is not None and content_digest(kv.layers) == content_digest(layers)
-            kv.release()
-            assert prefill.held() == [] and dead.held() == []
-        await executor.close()
+        cluster = InProcessCluster(registry)
+        executor = RemoteExecutor()
+        # ~0.5 s per transfer: long enough to kill the destination mid-way
+        slow = WorkerFaults(slow_gbps=0.004)
+        await cluster.start(
+            [
+                _spec("p0", "prefill", "n0", 0, faults=slow),
+                _spec("d0", "decode", "n0", 1),
+                _spec("d1", "decode", "n0", 2),
+            ]
+        )
+        try:
+            async with Orchestrator(registry, executor) as orch:
+                await _prefill(executor, cluster.info("p0"), 1)
+                record = await orch.submit(1, "m", LAYOUT, "p0")
+                while record.state != TransferState.RUNNING:
+                    await asyncio.sleep(0.01)
+                first = record.destination
+                assert first is not None
+                await asyncio.sleep(0.1)
+                await cluster.kill(first)
+                await orch.wait(1, 20)
+                assert record.state == TransferState.DELIVERED, record.reason
+                assert record.reroutes == 1 and record.destination != first
+                alive = "d1" if first == "d0" else "d0"
+                kv = cluster.take(alive, 1)
+                assert kv is not None and content_digest(kv.layers) == _expected(1)
+                kv.free()
+                assert cluster.held("p0") == [] and cluster.held(first) == []
+        finally:
+            await executor.close()
+            await cluster.stop()
         assert segments_of(os.getpid()) == []
 
     asyncio.run(main())
@@ -127,7 +158,7 @@ def test_killed_destination_mid_transfer_is_rerouted_and_nothing_is_stranded() -
 
 def _view_rebuild(registry: WorkerRegistry) -> None:
     async def main() -> None:
-        executor = InProcessExecutor()
+        executor = RemoteExecutor()
         first = registry.register(_info("p0", "prefill", "n0", 0), ttl_s=30)
         async with Orchestrator(registry, executor, config=OrchestratorConfig()) as orch:
             assert orch.view.alive("p0")
@@ -149,6 +180,7 @@ def _view_rebuild(registry: WorkerRegistry) -> None:
             assert [w.worker_id for w in restarted.view.workers()] == ["d1", "p0"]
         again.deregister()
         first.deregister()
+        await executor.close()
 
     asyncio.run(main())
 
@@ -168,23 +200,28 @@ def test_view_follows_etcd_and_rebuilds_after_restart(etcd_url: str) -> None:
 def test_completion_outcome_for_failed_transfer_names_reason() -> None:
     async def main() -> None:
         registry = MemoryRegistry()
-        secret = new_secret()
-        prefill = PrefillWorker(_info("p0", "prefill", "n0", 0), secret)
-        # a decode worker on another host: shm is impossible, TCP is the only medium
-        other = DecodeWorker(_info("d0", "decode", "n0", 1, host="elsewhere"), secret)
-        executor = InProcessExecutor([prefill, other])
-        for worker in (prefill, other):
-            worker.register(registry)
-        async with Orchestrator(registry, executor) as orch:
-            prefill.hold(1, "m", LAYOUT, _kv(1))
-            record = await orch.submit(1, "m", LAYOUT, "p0")
-            await orch.wait(1, 10)
-            assert record.state == TransferState.DELIVERED
-            assert record.failovers == 1 and record.medium == "tcp"  # shm refused, then TCP
-            assert "different hosts" in record.attempts[0].detail
-            completion = await orch.next_completion(1)
-            assert completion.outcome == Outcome.DELIVERED
-            other.discard(1)
-        await executor.close()
+        cluster = InProcessCluster(registry)
+        executor = RemoteExecutor()
+        await cluster.start(
+            [
+                _spec("p0", "prefill", "n0", 0),
+                # a decode worker on another host: shm is impossible, TCP is the only medium
+                _spec("d0", "decode", "n0", 1, host="elsewhere"),
+            ]
+        )
+        try:
+            async with Orchestrator(registry, executor) as orch:
+                await _prefill(executor, cluster.info("p0"), 1)
+                record = await orch.submit(1, "m", LAYOUT, "p0")
+                await orch.wait(1, 10)
+                assert record.state == TransferState.DELIVERED
+                assert record.failovers == 1 and record.medium == "tcp"  # shm refused, then TCP
+                assert "different hosts" in record.attempts[0].detail
+                completion = await orch.next_completion(1)
+                assert completion.outcome == Outcome.DELIVERED
+                await executor.discard_destination(cluster.info("d0"), 1)
+        finally:
+            await executor.close()
+            await cluster.stop()
 
     asyncio.run(main())

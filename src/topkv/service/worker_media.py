@@ -143,8 +143,8 @@ def check_medium(medium: str, source: WorkerInfo, destination: WorkerInfo) -> st
     same_host = bool(source.host_id) and source.host_id == destination.host_id
     if carrier in SAME_HOST_MEDIA and not same_host:
         return (
-            f"{medium} needs one host; {source.worker_id} is on {source.host_id or '?'} and "
-            f"{destination.worker_id} on {destination.host_id or '?'}"
+            f"{medium} needs one host; {source.worker_id} (on {source.host_id or '?'}) and "
+            f"{destination.worker_id} (on {destination.host_id or '?'}) are on different hosts"
         )
     return None
 
