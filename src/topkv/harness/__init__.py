@@ -9,8 +9,10 @@ transport > ...): nothing in the library imports a harness.
   sink|send``) the engine tests and benchmarks drive.
 * :mod:`topkv.harness.engine_bench`: ``topkv bench transfer --transport nixl|mooncake|cuda``.
 * :mod:`topkv.harness.chaos`: ``topkv chaos``, fault injection against a local cluster of
-  worker processes (:mod:`~topkv.harness.chaos_inprocess`: the same against in-process
-  workers; :mod:`~topkv.harness.chaos_config`: its config and report).
+  worker processes (:mod:`~topkv.harness.chaos_inprocess`: the same against the same
+  workers started in-process; :mod:`~topkv.harness.chaos_config`: its config and report).
+* :mod:`topkv.harness.inprocess_cluster`: real workers (``WorkerService``) started in the
+  caller's event loop and registered straight into its registry (tests, chaos).
 * :mod:`topkv.harness.validate_live`: ``topkv sim-validate``, the simulator against a
   recorded demo run (it uses both :mod:`topkv.sim` and :mod:`topkv.demo`), with
   :mod:`~topkv.harness.validate_record` (the record), :mod:`~topkv.harness.validate_model`

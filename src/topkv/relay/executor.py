@@ -1,10 +1,10 @@
 """The orchestrator's view of data movement: one *attempt* at a time, through an executor.
 
 The orchestrator decides (which decode worker, which transport, retry or not); an executor
-does. :class:`TransferExecutor` is the whole contract, so the same orchestrator drives
-workers living in this process (:class:`topkv.relay.inprocess.InProcessExecutor`, real
-transports between objects that hold KV buffers) or in other processes (a remote executor
-speaking to each worker's control API).
+does. :class:`TransferExecutor` is the whole contract; the one implementation that moves
+bytes is the service layer's remote executor, which speaks to each worker's control API
+(whether the worker is a ``topkv worker`` process or the same worker class started in the
+caller's event loop, as tests and ``topkv chaos --mode inprocess`` do).
 
 Who owns what
     * The *source* (prefill worker) holds request ``r``'s KV from ``submit`` until the
