@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from topkv.errors import ConfigError
 from topkv.policy.clock import Clock, MonotonicClock
+from topkv.relay.etcd_access import is_etcd_url, redact_url
 from topkv.relay.registry_base import Registration, RegistryError, WatchCallback, WorkerRegistry
 from topkv.relay.workers import RegistryEvent, Role, WorkerInfo
 
@@ -26,6 +27,7 @@ __all__ = [
     "WatchCallback",
     "WorkerRegistry",
     "open_registry",
+    "redact_registry_url",
 ]
 
 
@@ -139,11 +141,24 @@ class MemoryRegistry:
 
 
 def open_registry(url: str, clock: Clock | None = None) -> WorkerRegistry:
-    """Open ``memory`` (embedded) or ``etcd://HOST:PORT[/prefix]``."""
+    """Open ``memory`` (embedded) or ``etcd[s]://[USER@]HOST:PORT[/prefix][?ca=&cert=&key=]``.
+
+    ``etcds://`` is etcd over TLS; a user logs in to an etcd with auth enabled, its password
+    and the TLS files coming from ``TOPKV_ETCD_*`` variables (docs/etcd.md). Log the URL
+    through :func:`redact_registry_url`: it may carry an inline password.
+    """
     if url in ("memory", "memory://"):
         return MemoryRegistry(clock)
-    if url.startswith("etcd://"):
+    if is_etcd_url(url):
         from topkv.relay.registry_etcd import EtcdRegistry
 
         return EtcdRegistry.from_url(url)
-    raise ConfigError(f"unknown registry {url!r}: use 'memory' or 'etcd://HOST:PORT'")
+    raise ConfigError(
+        f"unknown registry {redact_url(url)!r}: use 'memory', 'etcd://HOST:PORT' "
+        "or 'etcds://HOST:PORT' (TLS)"
+    )
+
+
+def redact_registry_url(url: str) -> str:
+    """The registry URL with any inline password replaced by ``***`` (safe to log or show)."""
+    return redact_url(url)

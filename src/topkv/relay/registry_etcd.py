@@ -8,26 +8,30 @@ prefix again, so its view is rebuilt from etcd alone.
 
 Why etcd3gw: it is maintained (OpenStack), typed, and speaks the gRPC gateway over plain
 HTTP, so it avoids the protobuf/grpc version pinning that broke the older ``etcd3`` client.
+
+Access (docs/etcd.md): ``etcds://`` speaks TLS (a CA file, optionally a client certificate);
+a user and password log in to an etcd with ``auth enable`` (:mod:`topkv.relay.etcd_access`
+parses them, :mod:`topkv.relay.etcd_session` sends the token and explains refusals).
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
-from urllib.parse import urlparse
 
-import requests
 from etcd3gw.client import Etcd3Client
-from etcd3gw.exceptions import Etcd3Exception
 from etcd3gw.lease import Lease
 
 from topkv.errors import ConfigError
+from topkv.relay.etcd_access import DEFAULT_PREFIX, EtcdLogin, EtcdTLS, parse_etcd_url
+from topkv.relay.etcd_session import ETCD_ERRORS, EtcdSession, explain_failure
 from topkv.relay.registry_base import RegistryError, WatchCallback
 from topkv.relay.workers import RegistryEvent, Role, WorkerInfo
 
-DEFAULT_PREFIX = "/topkv"
-_ETCD_ERRORS = (requests.RequestException, Etcd3Exception)
+__all__ = ["DEFAULT_PREFIX", "EtcdRegistry"]
+_ETCD_ERRORS = ETCD_ERRORS
 
 
 def _text(value: Any) -> str:
@@ -44,7 +48,7 @@ class _EtcdRegistration:
         try:
             remaining = self._lease.refresh()
         except _ETCD_ERRORS as exc:
-            raise RegistryError(f"etcd heartbeat failed: {exc}") from exc
+            raise self._registry._explain(exc, "renewing the lease (heartbeat)") from exc
         if remaining <= 0:
             raise RegistryError(f"worker {self._worker_id!r} lease expired in etcd; register again")
 
@@ -57,33 +61,54 @@ class _EtcdRegistration:
         try:
             self._lease.revoke()
         except _ETCD_ERRORS as exc:
-            raise RegistryError(f"etcd deregister failed: {exc}") from exc
+            raise self._registry._explain(exc, "revoking the lease (deregister)") from exc
 
 
 class EtcdRegistry:
     """Worker registry kept in etcd with leases (TTL) and prefix watches."""
 
-    def __init__(self, host: str, port: int, prefix: str = DEFAULT_PREFIX, timeout_s: float = 5.0):
-        self._client = Etcd3Client(host=host, port=port, timeout=timeout_s)
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        prefix: str = DEFAULT_PREFIX,
+        timeout_s: float = 5.0,
+        *,
+        tls: EtcdTLS | None = None,
+        login: EtcdLogin | None = None,
+    ) -> None:
+        if tls is not None:
+            tls.check()
+        self._endpoint = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        self._tls = tls
+        self._login = login
+        self._session = EtcdSession(self._endpoint, tls, login, timeout_s)
+        self._client = Etcd3Client(
+            host=host,
+            port=port,
+            protocol="https" if tls is not None else "http",
+            timeout=timeout_s,
+            session=self._session,
+        )
         self._prefix = prefix.rstrip("/") + "/workers/"
-        self._endpoint = f"{host}:{port}"
         self._cancels: list[Callable[[], None]] = []
         self._lock = threading.Lock()
         try:
             self._client.status()
+            self._session.log_in(self._client.get_url("/auth/authenticate"))
         except _ETCD_ERRORS as exc:
-            raise RegistryError(
-                f"cannot reach etcd at {self._endpoint}: {exc.__class__.__name__}; "
-                "is etcd running and is the address right?"
-            ) from exc
+            self._session.close()
+            raise self._explain(exc, "connecting") from exc
+        except RegistryError:
+            self._session.close()
+            raise
 
     @classmethod
-    def from_url(cls, url: str) -> EtcdRegistry:
-        parsed = urlparse(url)
-        if parsed.scheme != "etcd" or not parsed.hostname or not parsed.port:
-            raise ConfigError(f"bad etcd registry URL {url!r}: expected etcd://HOST:PORT[/prefix]")
-        prefix = parsed.path if parsed.path not in ("", "/") else DEFAULT_PREFIX
-        return cls(parsed.hostname, parsed.port, prefix)
+    def from_url(cls, url: str, env: Mapping[str, str] | None = None) -> EtcdRegistry:
+        """Open ``etcd[s]://[USER@]HOST:PORT[/prefix][?ca=&cert=&key=]``; credentials and TLS
+        files may come from the ``TOPKV_ETCD_*`` variables of ``env`` (default: os.environ)."""
+        access = parse_etcd_url(url, env)
+        return cls(access.host, access.port, access.prefix, tls=access.tls, login=access.login)
 
     def register(self, info: WorkerInfo, ttl_s: float = 10.0) -> _EtcdRegistration:
         if ttl_s <= 0:
@@ -91,15 +116,20 @@ class EtcdRegistry:
         try:
             lease = self._client.lease(ttl=max(1, round(ttl_s)))
         except _ETCD_ERRORS as exc:
-            raise RegistryError(f"etcd lease grant failed at {self._endpoint}: {exc}") from exc
-        self._put(info, lease)
+            raise self._explain(exc, "granting a lease") from exc
+        try:
+            self._put(info, lease)
+        except RegistryError:
+            with contextlib.suppress(*_ETCD_ERRORS, RegistryError):
+                lease.revoke()
+            raise
         return _EtcdRegistration(self, info, lease)
 
     def workers(self, role: Role | None = None) -> list[WorkerInfo]:
         try:
             values = self._client.get_prefix(self._prefix)
         except _ETCD_ERRORS as exc:
-            raise RegistryError(f"etcd read failed at {self._endpoint}: {exc}") from exc
+            raise self._explain(exc, "reading workers") from exc
         infos = [WorkerInfo.from_json(_text(value)) for value, _meta in values]
         return sorted(
             (i for i in infos if role is None or i.role == role), key=lambda i: i.worker_id
@@ -109,7 +139,7 @@ class EtcdRegistry:
         try:
             values = self._client.get(self._prefix + worker_id)
         except _ETCD_ERRORS as exc:
-            raise RegistryError(f"etcd read failed at {self._endpoint}: {exc}") from exc
+            raise self._explain(exc, "reading workers") from exc
         return WorkerInfo.from_json(_text(values[0])) if values else None
 
     def watch(self, callback: WatchCallback) -> Callable[[], None]:
@@ -127,7 +157,10 @@ class EtcdRegistry:
             known.add(worker_id)
             callback(RegistryEvent("update" if is_update else "join", worker_id, info))
 
-        events, cancel = self._client.watch_prefix(self._prefix)
+        try:
+            events, cancel = self._client.watch_prefix(self._prefix)
+        except _ETCD_ERRORS as exc:
+            raise self._explain(exc, "watching workers") from exc
 
         def pump() -> None:
             try:
@@ -153,4 +186,14 @@ class EtcdRegistry:
         try:
             self._client.put(self._prefix + info.worker_id, info.to_json(), lease=lease)
         except _ETCD_ERRORS as exc:
-            raise RegistryError(f"etcd write failed at {self._endpoint}: {exc}") from exc
+            raise self._explain(exc, "writing a worker record") from exc
+
+    def _explain(self, exc: Exception, action: str) -> RegistryError:
+        return explain_failure(
+            exc,
+            action=action,
+            endpoint=self._endpoint,
+            prefix=self._prefix,
+            login=self._login,
+            tls=self._tls,
+        )
