@@ -210,7 +210,7 @@ _HOSTS = st.one_of(
     st.ip_addresses(v=4).map(str),
 )
 _PREFIXES = st.from_regex(r"(/[a-z0-9_-]{1,12}){0,3}", fullmatch=True)
-_TEXT = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=1, max_size=30)
+_TEXT = st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), min_size=1, max_size=30)
 
 
 @given(
