@@ -71,7 +71,7 @@ def test_real_bytes_over_shm_and_tcp_with_metrics_scraped_over_http() -> None:
     async def main() -> None:
         registry = MemoryRegistry()
         cluster = InProcessCluster(registry)
-        executor = RemoteExecutor()
+        executor = RemoteExecutor(token=cluster.admin_token)
         await cluster.start(
             [
                 _spec("p0", "prefill", "n0", 0),
@@ -120,7 +120,7 @@ def test_killed_destination_mid_transfer_is_rerouted_and_nothing_is_stranded() -
     async def main() -> None:
         registry = MemoryRegistry()
         cluster = InProcessCluster(registry)
-        executor = RemoteExecutor()
+        executor = RemoteExecutor(token=cluster.admin_token)
         # ~0.5 s per transfer: long enough to kill the destination mid-way
         slow = WorkerFaults(slow_gbps=0.004)
         await cluster.start(
@@ -201,7 +201,7 @@ def test_completion_outcome_for_failed_transfer_names_reason() -> None:
     async def main() -> None:
         registry = MemoryRegistry()
         cluster = InProcessCluster(registry)
-        executor = RemoteExecutor()
+        executor = RemoteExecutor(token=cluster.admin_token)
         await cluster.start(
             [
                 _spec("p0", "prefill", "n0", 0),

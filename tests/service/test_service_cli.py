@@ -108,7 +108,8 @@ def test_cluster_up_stops_every_process_on_sigterm(tmp_path: Path) -> None:
             assert time.monotonic() < deadline, "cluster did not come up"
             time.sleep(0.1)
         url = json.loads((tmp_path / "orchestrator.ready.json").read_text())["url"]
-        OrchestratorClient(url).wait_workers(1, 1, 30)
+        token = (tmp_path / "token").read_text().strip()  # written before anything started
+        OrchestratorClient(url, token=token).wait_workers(1, 1, 30)
         children = _children_of(proc.pid)
         assert len(children) == 3
         proc.send_signal(signal.SIGTERM)
@@ -125,8 +126,10 @@ def test_status_tables_and_json(make_cluster: ClusterFactory) -> None:
     cluster = make_cluster(prefill=1, decode=1)
     run_smoke(cluster.client(), 2, SmokeLayout(layers=2, tokens=16))
     env = {**os.environ, "COLUMNS": "80"}  # piped: tables keep their full width anyway
+    assert cluster.token_files is not None
+    token = ["--token-file", str(cluster.token_files.admin)]
     table = subprocess.run(
-        [*TOPKV, "status", "--orchestrator", cluster.orchestrator_url],
+        [*TOPKV, "status", "--orchestrator", cluster.orchestrator_url, *token],
         capture_output=True,
         text=True,
         timeout=60,
@@ -137,7 +140,7 @@ def test_status_tables_and_json(make_cluster: ClusterFactory) -> None:
     assert "shm" in table.stdout and "ok" in table.stdout
     assert "\u2026" not in table.stdout and "transfer endpoint" in table.stdout
     as_json = subprocess.run(
-        [*TOPKV, "status", "--orchestrator", cluster.orchestrator_url, "--json"],
+        [*TOPKV, "status", "--orchestrator", cluster.orchestrator_url, "--json", *token],
         capture_output=True,
         text=True,
         timeout=60,

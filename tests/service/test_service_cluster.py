@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 import time
 from collections.abc import Callable
@@ -181,38 +182,42 @@ def test_worker_control_api_rejects_bad_input(make_cluster: ClusterFactory) -> N
     cluster = make_cluster(prefill=1, decode=1)
     prefill = next(p for n, p in cluster.workers.items() if n.startswith("prefill"))
     base = prefill.ready["control_url"]
-    with pytest.raises(ApiError) as missing:
+    with pytest.raises(ApiError) as anonymous:  # the control API needs the admin token
         http_json("GET", f"{base}/v1/kv/5")
+    assert anonymous.value.status == 401
+    api = functools.partial(http_json, token=cluster.admin_token())
+    with pytest.raises(ApiError) as missing:
+        api("GET", f"{base}/v1/kv/5")
     assert missing.value.status == 404
     with pytest.raises(ApiError) as bad_id:
-        http_json("GET", f"{base}/v1/kv/minus-one")
+        api("GET", f"{base}/v1/kv/minus-one")
     assert bad_id.value.status == 400
     with pytest.raises(ApiError) as bad_medium:
-        http_json(
+        api(
             "POST",
             f"{base}/v1/receive",
             {"request_id": 1, "model_id": "m", "layout": LAYOUT, "medium": "carrier-pigeon"},
         )
     assert bad_medium.value.status == 400
     with pytest.raises(ApiError) as send_unknown:
-        http_json(
+        api(
             "POST",
             f"{base}/v1/send",
             {"request_id": 9, "destination": "tcp://127.0.0.1:1", "medium": "tcp", "timeout_s": 1},
         )
     assert send_unknown.value.status == 404
-    held = http_json("POST", f"{base}/v1/kv/5/prefill", {"model_id": "m", "layout": LAYOUT})
+    held = api("POST", f"{base}/v1/kv/5/prefill", {"model_id": "m", "layout": LAYOUT})
     assert held["digest"] == synthetic_kv(5, "m", KVLayout(3, 64, 4, 64)).digest
     # Sending to a port nobody listens on fails as a transport error, not a crash.
     with pytest.raises(ApiError) as refused:
-        http_json(
+        api(
             "POST",
             f"{base}/v1/send",
             {"request_id": 5, "destination": "tcp://127.0.0.1:1", "medium": "tcp", "timeout_s": 5},
         )
     assert refused.value.status == 502 and refused.value.body["error"]["kind"] == "transport"
-    assert http_json("DELETE", f"{base}/v1/kv/5") == {"request_id": 5, "released": True}
-    assert http_json("GET", f"{base}/v1/info")["held"] == 0
+    assert api("DELETE", f"{base}/v1/kv/5") == {"request_id": 5, "released": True}
+    assert api("GET", f"{base}/v1/info")["held"] == 0
 
 
 def test_dead_destination_still_registered_is_rerouted(make_cluster: ClusterFactory) -> None:
@@ -238,4 +243,5 @@ def test_dead_destination_still_registered_is_rerouted(make_cluster: ClusterFact
     assert metric(client.metrics(), "topkv_transfer_reroutes_total") == 1
     # The source released its KV after the verified delivery: nothing stranded there.
     prefill = next(p for n, p in cluster.workers.items() if n.startswith("prefill"))
-    assert http_json("GET", f"{prefill.ready['control_url']}/v1/info")["held"] == 0
+    info = http_json("GET", f"{prefill.ready['control_url']}/v1/info", token=cluster.admin_token())
+    assert info["held"] == 0

@@ -20,6 +20,8 @@ import pytest
 
 from topkv.jsonout import loads_strict
 from topkv.relay.workers import WorkerCapabilities
+from topkv.service.auth import Credentials, ServerAuth, auth_headers
+from topkv.service.cluster_tokens import ClusterTokens
 from topkv.service.engines import EngineSpec, PrefillPlan, Publish
 from topkv.service.http_api import OrchestratorServiceConfig, serve_orchestrator
 from topkv.service.worker import WorkerConfig, WorkerFaults, WorkerService
@@ -42,6 +44,7 @@ SMALL = DemoModelConfig(layers=6, hidden_size=64, heads=4, kv_heads=2, head_dim=
                         intermediate_size=128, vocab_size=512, init_std=0.25)  # fmt: skip
 SEED = 5
 NEW_TOKENS = 6
+TOKENS = ClusterTokens()
 PROMPTS = [(1, 3), (17, 4), (90, 5)]  # (length, prompt seed)
 
 
@@ -108,7 +111,13 @@ async def _run_inprocess(
     stop = asyncio.Event()
     ready: asyncio.Future[str] = asyncio.get_running_loop().create_future()
     orchestrator = asyncio.create_task(
-        serve_orchestrator(OrchestratorServiceConfig(), "127.0.0.1", 0, stop, ready)
+        serve_orchestrator(
+            OrchestratorServiceConfig(auth=TOKENS.orchestrator_auth(["prefill", "decode"])),
+            "127.0.0.1",
+            0,
+            stop,
+            ready,
+        )
     )
     url = await ready
     engine = EngineSpec(kind="hf", demo_seed=SEED, demo_config=SMALL)
@@ -126,6 +135,9 @@ async def _run_inprocess(
                 faults=WorkerFaults(),
                 engine=engine,
                 media=("tcp", "shm"),
+                auth=ServerAuth(
+                    Credentials.of(admin=[TOKENS.admin]), client_token=TOKENS.worker_token(role)
+                ),
             )
         )
         for gpu, role in enumerate(("prefill", "decode"))
@@ -136,7 +148,7 @@ async def _run_inprocess(
         slow = _SlowLayers(workers[0], 0.02)
         workers[0].engine = slow  # type: ignore[assignment]
         records = []
-        async with aiohttp.ClientSession() as http:
+        async with aiohttp.ClientSession(headers=auth_headers(TOKENS.admin)) as http:
             for rid, (length, prompt_seed) in enumerate(PROMPTS, start=1):
                 body = {"request_id": rid, "model": "", "prompt_seed": prompt_seed,
                         "prompt_tokens": length, "new_tokens": NEW_TOKENS}  # fmt: skip

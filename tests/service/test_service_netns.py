@@ -20,7 +20,6 @@ from pathlib import Path
 import pytest
 from service_helpers import free_port_in, run_ip, start_etcd, stop_etcd
 
-from topkv.service.client import OrchestratorClient
 from topkv.service.cluster import ClusterConfig, LocalCluster, WorkerPlacement
 
 pytestmark = pytest.mark.netns
@@ -111,7 +110,7 @@ def test_same_namespace_uses_shm_and_cross_namespace_uses_tcp(hosts: Hosts, tmp_
             assert ns is not None
             inode = os.stat(f"/proc/{process.pid}/ns/net").st_ino
             assert inode == os.stat(f"/run/netns/{ns}").st_ino
-        client = OrchestratorClient(cluster.orchestrator_url)
+        client = cluster.client()
         ids = {p.role + "@" + p.node: f"{p.role}-{p.node}-gpu{p.gpu}" for p in placements}
         same_host_prefill, remote_prefill = ids[f"prefill@{h0}"], ids[f"prefill@{h2}"]
 

@@ -109,7 +109,7 @@ def test_worker_errors_map_to_failure_kinds() -> None:
 
 
 def test_every_route_is_in_the_openapi_document() -> None:
-    service = OrchestratorService(OrchestratorServiceConfig())
+    service = OrchestratorService(OrchestratorServiceConfig(auth=None))
     doc = openapi_document()
     for route in service.app().router.routes():
         path = route.resource.canonical if route.resource is not None else ""

@@ -21,6 +21,7 @@ from topkv.relay.executor import AttemptFailed, AttemptPlan
 from topkv.relay.registry import MemoryRegistry
 from topkv.relay.transfers import FailureKind
 from topkv.relay.workers import WorkerInfo
+from topkv.service.auth import Credentials, ServerAuth, auth_headers, new_token
 from topkv.service.engines import PrefillPlan, Publish
 from topkv.service.messages import LayoutModel, PacedLink, PrefillRequest
 from topkv.service.registrar import DirectRegistrar
@@ -33,6 +34,7 @@ LAYOUT = KVLayout(num_layers=6, seq_len=32, kv_heads=2, head_dim=16, dtype="fp16
 MODEL = "m"
 RID = 7
 LAYER_DELAY_S = 0.03
+ADMIN = new_token()  # what the workers' control APIs accept
 
 
 class _SlowLayers:
@@ -61,6 +63,7 @@ def _config(role: str, worker_id: str, faults: WorkerFaults) -> WorkerConfig:
         worker_id=worker_id,
         media=("tcp", "shm"),
         faults=faults,
+        auth=ServerAuth(Credentials.of(admin=[ADMIN])),
     )
 
 
@@ -100,7 +103,7 @@ async def _prefill(executor: RemoteExecutor, worker: WorkerService) -> None:
 
 async def _control(worker: WorkerService, path: str) -> Any:
     async with (
-        aiohttp.ClientSession() as http,
+        aiohttp.ClientSession(headers=auth_headers(ADMIN)) as http,
         http.get(f"{_info(worker).control_url}{path}") as answer,
     ):
         return answer.status, await answer.json()
@@ -114,7 +117,7 @@ def _paced(gbps: float, dilation: float = 1.0) -> Callable[[AttemptPlan, str], P
 def test_a_paced_streamed_attempt_carries_the_digest_and_every_layer_stamp() -> None:
     async def main() -> None:
         async with _pair() as (prefill, decode):
-            executor = RemoteExecutor(pacing=_paced(450.0, dilation=100.0))
+            executor = RemoteExecutor(token=ADMIN, pacing=_paced(450.0, dilation=100.0))
             try:
                 await _prefill(executor, prefill)
                 delivery = await executor.transfer(_plan(prefill, decode))
@@ -148,7 +151,7 @@ def test_a_paced_streamed_attempt_carries_the_digest_and_every_layer_stamp() -> 
 def test_a_corrupted_send_maps_to_checksum_and_leaves_nothing_at_either_end() -> None:
     async def main() -> None:
         async with _pair(WorkerFaults(corrupt_rate=1.0, seed=1)) as (prefill, decode):
-            executor = RemoteExecutor()
+            executor = RemoteExecutor(token=ADMIN)
             try:
                 await _prefill(executor, prefill)
                 with pytest.raises(AttemptFailed) as failed:
@@ -169,7 +172,9 @@ def test_a_corrupted_send_maps_to_checksum_and_leaves_nothing_at_either_end() ->
 def test_a_cancelled_attempt_stops_the_sender_and_drops_the_copy() -> None:
     async def main() -> None:
         async with _pair() as (prefill, decode):
-            executor = RemoteExecutor(pacing=_paced(0.0001, dilation=1000.0))  # ~40 s a layer
+            executor = RemoteExecutor(
+                token=ADMIN, pacing=_paced(0.0001, dilation=1000.0)
+            )  # ~40 s a layer
             try:
                 await _prefill(executor, prefill)
                 task = asyncio.create_task(executor.transfer(_plan(prefill, decode)))
@@ -193,7 +198,7 @@ def test_a_cancelled_attempt_stops_the_sender_and_drops_the_copy() -> None:
 def test_a_path_no_medium_serves_is_a_transport_failure_before_anything_is_sent() -> None:
     async def main() -> None:
         async with _pair() as (prefill, decode):
-            executor = RemoteExecutor(media={"nvlink": "shm"})
+            executor = RemoteExecutor(media={"nvlink": "shm"}, token=ADMIN)
             try:
                 with pytest.raises(AttemptFailed) as failed:
                     await executor.transfer(_plan(prefill, decode, "rdma"))
@@ -209,7 +214,7 @@ def test_a_path_no_medium_serves_is_a_transport_failure_before_anything_is_sent(
 def test_the_source_summary_waits_for_a_running_prefill_and_unknown_kv_is_source_lost() -> None:
     async def main() -> None:
         async with _pair() as (prefill, _):
-            executor = RemoteExecutor()
+            executor = RemoteExecutor(token=ADMIN)
             try:
                 await _prefill(executor, prefill)
                 summary = await executor.source_summary(_info(prefill), RID)
@@ -233,7 +238,7 @@ def test_the_source_summary_waits_for_a_running_prefill_and_unknown_kv_is_source
 def test_serial_and_replay_copies_follow_their_schedules_and_are_drained() -> None:
     async def main() -> None:
         async with _pair() as (prefill, decode):
-            executor = RemoteExecutor()
+            executor = RemoteExecutor(token=ADMIN)
             src, dst = _info(prefill), _info(decode)
 
             async def copy(transfer_id: int, schedule: Any, medium: str) -> Any:

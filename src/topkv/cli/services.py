@@ -15,11 +15,19 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from topkv.cli.auth_options import (
+    client_token,
+    insecure_option,
+    orchestrator_auth,
+    token_file_option,
+    worker_auth,
+)
 from topkv.cli.console import stdout_console
 from topkv.errors import ConfigError
 from topkv.jsonout import dumps
 from topkv.relay.orchestrator_config import OrchestratorConfig, RetryPolicy
 from topkv.relay.workers import WorkerCapabilities
+from topkv.service.auth import CONTROL_TOKEN_FILE_ENV, TOKEN_FILE_ENV
 from topkv.service.client import OrchestratorClient
 from topkv.service.errors import ServiceError
 
@@ -81,13 +89,29 @@ def orchestrator_command(
     backoff: float = typer.Option(0.1, help="first retry backoff in seconds (doubles)"),
     ready_file: Path | None = typer.Option(None, help="write {url, pid} here once serving"),
     log_level: str = typer.Option("warning", help="debug | info | warning | error"),
+    token_file: Path | None = token_file_option(
+        f"the admin token: accepted with admin scope and sent to the workers (default: "
+        f"${TOKEN_FILE_ENV})"
+    ),
+    worker_token_file: Path | None = typer.Option(
+        None, help="worker tokens accepted with worker scope, one per line"
+    ),
+    protect_metrics: bool = typer.Option(False, help="/metrics needs an admin token"),
+    insecure_no_auth: bool = insecure_option(),
 ) -> None:
     """Run the orchestrator: HTTP API, registry, relay, /metrics."""
     from topkv.service.http_api import OrchestratorServiceConfig, serve_orchestrator
     from topkv.service.httputil import write_ready_file
 
     _logging(log_level)
+    auth = orchestrator_auth(
+        token_file,
+        worker_token_file,
+        insecure=insecure_no_auth,
+        protect_metrics=protect_metrics,
+    )
     config = OrchestratorServiceConfig(
+        auth=auth,
         registry=registry,
         topology_file=topology,
         relay=OrchestratorConfig(
@@ -148,6 +172,16 @@ def worker_command(
     demo_model: int | None = typer.Option(None, help="--engine hf: the seeded demo model"),
     torch_threads: int = typer.Option(0, help="--engine hf: torch threads (0: torch's default)"),
     media: str = typer.Option("", help=MEDIA_HELP),
+    token_file: Path | None = token_file_option(
+        f"this worker's worker token, to register with the orchestrator (default: "
+        f"${TOKEN_FILE_ENV})"
+    ),
+    control_token_file: Path | None = typer.Option(
+        None,
+        help="the token its control API accepts: the orchestrator's admin token or its "
+        f"sha256: digest (default: ${CONTROL_TOKEN_FILE_ENV})",
+    ),
+    insecure_no_auth: bool = insecure_option(),
 ) -> None:
     """Run a worker: an engine, transfer endpoints (every medium offered), KV buffers,
     control API, heartbeat."""
@@ -167,6 +201,11 @@ def worker_command(
             raise ConfigError(f"cannot read --secret-file {secret_file}: {exc.strerror}") from None
     else:
         secret = os.environ.get(SECRET_ENV, "").encode()
+    if not secret:
+        raise ConfigError(
+            f"a worker needs the cluster's transport secret: set {SECRET_ENV} or give "
+            "--secret-file (topkv cluster up does this for its workers)"
+        )
     config = WorkerConfig(
         role="prefill" if role == "prefill" else "decode",
         node=node or socket.gethostname(),
@@ -187,6 +226,12 @@ def worker_command(
         faults=WorkerFaults.parse(faults) if faults else WorkerFaults.from_env(),
         engine=engine_spec,
         media=offered,
+        auth=worker_auth(
+            token_file,
+            control_token_file,
+            insecure=insecure_no_auth,
+            needs_token=not registry,
+        ),
     )
 
     async def main(stop: asyncio.Event) -> None:
@@ -216,8 +261,12 @@ def cluster_up_command(
     engine: str = typer.Option("synthetic", help="every worker's engine: " + ENGINE_HELP),
     model_path: Path | None = typer.Option(None, help="--engine hf: a local HF model directory"),
     demo_model: int | None = typer.Option(None, help="--engine hf: the seeded demo model"),
+    insecure_no_auth: bool = insecure_option(),
 ) -> None:
-    """Start an orchestrator and N + M workers as real processes (Ctrl-C stops them all)."""
+    """Start an orchestrator and N + M workers as real processes (Ctrl-C stops them all).
+
+    The run directory gets the cluster's tokens (mode 0600): ``token`` (admin scope) and
+    ``worker-token`` (worker scope), written before the orchestrator starts."""
     from topkv.service.cluster import (
         ClusterConfig,
         LocalCluster,
@@ -250,6 +299,7 @@ def cluster_up_command(
             capacity=capacity,
             media=offered,
             engine=engine_spec,
+            insecure=insecure_no_auth,
         ),
         run_dir,
     )
@@ -353,12 +403,15 @@ def status_command(
     ),
     limit: int = typer.Option(50, help="transfers to list"),
     json_output: bool = typer.Option(False, "--json", help="machine-readable output"),
+    token_file: Path | None = token_file_option(
+        f"the admin token (default: ${TOKEN_FILE_ENV}; `topkv cluster up` writes RUN_DIR/token)"
+    ),
 ) -> None:
     """Show the orchestrator's workers and transfers."""
     from topkv.service.status import render_status
 
     url = orchestrator or os.environ.get(ORCHESTRATOR_ENV, f"http://127.0.0.1:{DEFAULT_PORT}")
-    client = OrchestratorClient(url)
+    client = OrchestratorClient(url, token=client_token(token_file))
     workers = client.workers()
     listing = client.transfers(limit)
     if json_output:

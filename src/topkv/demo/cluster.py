@@ -82,7 +82,7 @@ class DemoWorkers:
 
     async def start(self) -> dict[str, WorkerInfo]:
         """Start every worker; their registrations, by worker id, once all registered."""
-        self._api = RegistrationServer(self.registry)
+        self._api = RegistrationServer(self.registry, self.cluster.server_auth())
         self.cluster.orchestrator_url = await self._api.start()
         placements = self.cluster.config.worker_placements()
         started = [self.cluster.start_worker(p, i) for i, p in enumerate(placements)]

@@ -110,9 +110,9 @@ class _DemoExecutor(RemoteExecutor):
     done with it (the relay releases its source after a verified delivery; the baselines
     send the same KV again afterwards), and counting attempts."""
 
-    def __init__(self, pacing: _Pacing, timeout_s: float) -> None:
+    def __init__(self, pacing: _Pacing, timeout_s: float, token: str | None) -> None:
         media = {path: real_medium(path) for path in DEFAULT_MEDIA}  # paced per send instead
-        super().__init__(media, call_timeout_s=timeout_s, pacing=pacing)
+        super().__init__(media, call_timeout_s=timeout_s, pacing=pacing, token=token)
         self.attempts = 0
         self._holders: dict[int, set[str]] = {}
 
@@ -255,7 +255,9 @@ class DemoRun:
             decode_capacity=opts.decode_capacity,
             prefill_capacity=PREFILL_CAPACITY,
         )
-        self.executor = _DemoExecutor(_Pacing(self), opts.request_timeout_s)
+        self.executor = _DemoExecutor(
+            _Pacing(self), opts.request_timeout_s, self.workers.cluster.admin_token()
+        )
         try:
             self.infos = await self.workers.start()
             self._learn_model(self.workers.ready[self.placements[0].worker_id])

@@ -79,6 +79,9 @@ async def run_chaos(config: ChaosConfig) -> ChaosReport:
 class ChaosWorkers(Protocol):
     """Where a chaos run's workers live: processes, or this event loop."""
 
+    #: the admin token the workers' control APIs accept (the run's executor sends it)
+    admin_token: str | None
+
     async def start(self, registry: MemoryRegistry) -> list[str]:
         """Start the workers of :func:`placements`, which register in ``registry``;
         returns the decode workers' ids in placement order."""
@@ -114,9 +117,10 @@ class ProcessWorkers:
         )
         self.api: RegistrationServer | None = None
         self.processes: dict[str, ManagedProcess] = {}
+        self.admin_token = self.cluster.admin_token()
 
     async def start(self, registry: MemoryRegistry) -> list[str]:
-        self.api = RegistrationServer(registry)
+        self.api = RegistrationServer(registry, self.cluster.server_auth())
         self.cluster.orchestrator_url = await self.api.start()
         started = [self.cluster.start_worker(p, i) for i, p in enumerate(placements(self.config))]
         for process in started:
@@ -147,8 +151,8 @@ class _CountingRemoteExecutor(RemoteExecutor):
     active = 0
     peak = 0
 
-    def __init__(self, call_timeout_s: float) -> None:
-        super().__init__(call_timeout_s=call_timeout_s)
+    def __init__(self, call_timeout_s: float, token: str | None) -> None:
+        super().__init__(call_timeout_s=call_timeout_s, token=token)
         self.active_to: dict[str, int] = {}
         self._parked_to: str | None = None
         self._unparked = asyncio.Event()
@@ -191,7 +195,7 @@ class _Run:
         self.layout = config.layout()
         self.report = ChaosReport()
         self.registry = MemoryRegistry()
-        self.executor = _CountingRemoteExecutor(call_timeout_s=10.0)
+        self.executor = _CountingRemoteExecutor(call_timeout_s=10.0, token=workers.admin_token)
         self.orch = Orchestrator(
             self.registry,
             self.executor,
@@ -343,7 +347,7 @@ class _Run:
         held = injected = 0
         for info in self.registry.workers():
             url = f"{info.control_url.rstrip('/')}/v1/info"
-            payload = await asyncio.to_thread(http_json, "GET", url)
+            payload = await asyncio.to_thread(http_json, "GET", url, token=self.workers.admin_token)
             held += int(payload["held"]) + int(payload["receiving"]) + int(payload["sending"])
             faults = payload.get("faults") or {}
             injected += int(faults.get("corruptions_injected", 0))

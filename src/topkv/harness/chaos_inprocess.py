@@ -16,6 +16,7 @@ from topkv.harness.chaos_config import ChaosConfig, placements
 from topkv.harness.inprocess_cluster import InProcessCluster, WorkerSpec
 from topkv.relay.registry import MemoryRegistry
 from topkv.relay.workers import Role
+from topkv.service.auth import new_token
 from topkv.service.worker import WorkerFaults
 
 #: Nothing here dies unseen (a killed worker is deregistered at once), so the lease only
@@ -30,9 +31,10 @@ class InProcessWorkers:
     def __init__(self, config: ChaosConfig) -> None:
         self.config = config
         self.cluster: InProcessCluster | None = None
+        self.admin_token: str | None = new_token()
 
     async def start(self, registry: MemoryRegistry) -> list[str]:
-        self.cluster = InProcessCluster(registry, ttl_s=LEASE_S)
+        self.cluster = InProcessCluster(registry, ttl_s=LEASE_S, admin_token=self.admin_token)
         counts = {"prefill": 0, "decode": 0}
         decoders = []
         for placement in placements(self.config):

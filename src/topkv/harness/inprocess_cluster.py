@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from topkv.errors import TopKVError
 from topkv.relay.registry import MemoryRegistry, Registration, WorkerRegistry
 from topkv.relay.workers import Role, WorkerInfo
+from topkv.service.auth import Credentials, ServerAuth, new_token
 from topkv.service.engines import EngineSpec
 from topkv.service.errors import ServiceError
 from topkv.service.kvstore import HeldKV
@@ -95,10 +96,16 @@ class InProcessCluster:
         *,
         ttl_s: float = 10.0,
         secret: bytes | None = None,
+        authenticate: bool = True,
+        admin_token: str | None = None,
     ) -> None:
+        """``authenticate``: the workers' control APIs accept only :attr:`admin_token`
+        (``admin_token``, else minted here; hand it to the executor); false runs them open,
+        on purpose."""
         self.registry: WorkerRegistry = registry if registry is not None else MemoryRegistry()
         self.ttl_s = ttl_s
         self.secret = secret if secret is not None else secrets.token_bytes(32)
+        self.admin_token: str | None = (admin_token or new_token()) if authenticate else None
         self.workers: dict[str, WorkerService] = {}
         self.killed: dict[str, WorkerService] = {}
         self._registrars: dict[str, SharedRegistrar] = {}
@@ -118,6 +125,11 @@ class InProcessCluster:
             faults=spec.faults,
             engine=spec.engine,
             media=spec.media,
+            auth=(
+                ServerAuth(Credentials.of(admin=[self.admin_token]))
+                if self.admin_token is not None
+                else None
+            ),
         )
         registrar = SharedRegistrar(self.registry)
         service = WorkerService(config, registrar=registrar)

@@ -8,6 +8,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+from topkv.service.auth import auth_headers
 from topkv.service.errors import ServiceError, ServiceUnreachable
 
 
@@ -22,10 +23,17 @@ class ApiError(ServiceError):
         self.body = body
 
 
-def http_json(method: str, url: str, body: object | None = None, timeout_s: float = 10.0) -> Any:
-    """Send ``body`` as JSON, return the decoded JSON answer (None when empty)."""
+def http_json(
+    method: str,
+    url: str,
+    body: object | None = None,
+    timeout_s: float = 10.0,
+    token: str | None = None,
+) -> Any:
+    """Send ``body`` as JSON (with ``token`` as the bearer token), return the decoded JSON
+    answer (None when empty)."""
     data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(url, data=data, method=method)
+    request = urllib.request.Request(url, data=data, method=method, headers=auth_headers(token))
     if data is not None:
         request.add_header("Content-Type", "application/json")
     try:
@@ -44,9 +52,10 @@ def http_json(method: str, url: str, body: object | None = None, timeout_s: floa
     return json.loads(raw) if raw else None
 
 
-def http_text(url: str, timeout_s: float = 10.0) -> str:
+def http_text(url: str, timeout_s: float = 10.0, token: str | None = None) -> str:
+    request = urllib.request.Request(url, headers=auth_headers(token))
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
             return bytes(response.read()).decode()
     except urllib.error.HTTPError as exc:
         raise ApiError(exc.code, exc.read().decode(errors="replace"), url) from None
@@ -57,15 +66,19 @@ def http_text(url: str, timeout_s: float = 10.0) -> str:
 class OrchestratorClient:
     """Typed-enough helpers over the orchestrator's endpoints."""
 
-    def __init__(self, base_url: str, timeout_s: float = 10.0) -> None:
+    def __init__(self, base_url: str, timeout_s: float = 10.0, token: str | None = None) -> None:
+        """``token``: the admin token (None: the orchestrator runs without authentication)."""
         self.base = base_url.rstrip("/")
         self.timeout_s = timeout_s
+        self.token = token
 
     def get(self, path: str) -> Any:
-        return http_json("GET", f"{self.base}{path}", timeout_s=self.timeout_s)
+        return http_json("GET", f"{self.base}{path}", timeout_s=self.timeout_s, token=self.token)
 
     def post(self, path: str, body: object) -> Any:
-        return http_json("POST", f"{self.base}{path}", body, timeout_s=self.timeout_s)
+        return http_json(
+            "POST", f"{self.base}{path}", body, timeout_s=self.timeout_s, token=self.token
+        )
 
     def workers(self) -> list[dict[str, Any]]:
         return list(self.get("/v1/workers")["workers"])
@@ -80,7 +93,7 @@ class OrchestratorClient:
         return dict(self.get(f"/v1/requests/{request_id}"))
 
     def metrics(self) -> str:
-        return http_text(f"{self.base}/metrics", self.timeout_s)
+        return http_text(f"{self.base}/metrics", self.timeout_s, token=self.token)
 
     def wait_done(self, request_id: int, timeout_s: float, decoded: bool = True) -> dict[str, Any]:
         """Poll until the request is terminal (and, if delivered, checked by decode)."""

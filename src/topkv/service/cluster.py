@@ -28,7 +28,10 @@ from pathlib import Path
 from typing import Any
 
 from topkv.errors import ConfigError
+from topkv.relay.etcd_access import is_etcd_url
+from topkv.service.auth import ServerAuth
 from topkv.service.client import OrchestratorClient
+from topkv.service.cluster_tokens import ClusterTokens, TokenFiles
 from topkv.service.engines import EngineSpec
 from topkv.service.errors import ClusterError, ServiceError
 from topkv.service.worker import FAULTS_ENV, SECRET_ENV, WorkerFaults
@@ -217,6 +220,7 @@ class ClusterConfig:
     extra_orchestrator_args: Sequence[str] = ()
     media: tuple[str, ...] | None = None  # what every worker offers; None: all installed
     engine: EngineSpec = field(default_factory=EngineSpec)
+    insecure: bool = False  # no authentication anywhere (--insecure-no-auth), on purpose
 
     def worker_placements(self) -> list[WorkerPlacement]:
         if self.placements is not None:
@@ -237,9 +241,52 @@ class LocalCluster:
         self.run_dir = run_dir if run_dir is not None else Path(self._tmp.name)  # type: ignore[union-attr]
         self.supervisor = Supervisor(self.run_dir)
         self.secret = secrets.token_hex(32)
+        self.tokens = ClusterTokens()
+        self.token_files: TokenFiles | None = None
         self.orchestrator_url = ""
         self.orchestrator: ManagedProcess | None = None
         self.workers: dict[str, ManagedProcess] = {}
+
+    def worker_names(self) -> list[str]:
+        """The process names of the configured workers (each has its own worker token)."""
+        return [f"{p.role}-{i}" for i, p in enumerate(self.config.worker_placements())]
+
+    def server_auth(self) -> ServerAuth | None:
+        """What an orchestrator (or registration server) of this cluster accepts."""
+        if self.config.insecure:
+            return None
+        return self.tokens.orchestrator_auth(self.worker_names())
+
+    def admin_token(self) -> str | None:
+        return None if self.config.insecure else self.tokens.admin
+
+    def _token_files(self) -> TokenFiles | None:
+        """The cluster's token files, written once (mode 0600) before any process starts."""
+        if self.config.insecure:
+            return None
+        if self.token_files is None:
+            self.token_files = self.tokens.write(self.run_dir, self.worker_names())
+        return self.token_files
+
+    def _orchestrator_auth_args(self) -> list[str]:
+        files = self._token_files()
+        if files is None:
+            return ["--insecure-no-auth"]
+        return [
+            "--token-file",
+            str(files.admin),
+            "--worker-token-file",
+            str(files.accepted_workers),
+        ]
+
+    def _worker_auth_args(self, name: str) -> list[str]:
+        files = self._token_files()
+        if files is None:
+            return ["--insecure-no-auth"]
+        token = files.of_worker(name)
+        if not token.exists():  # a worker beyond the configured ones: the shared token
+            token = files.worker
+        return ["--token-file", str(token), "--control-token-file", str(files.control)]
 
     def start(self, wait_s: float = 60.0) -> None:
         cfg = self.config
@@ -257,6 +304,7 @@ class LocalCluster:
                 str(ready),
                 "--attempt-timeout",
                 str(cfg.attempt_timeout_s),
+                *self._orchestrator_auth_args(),
                 *cfg.extra_orchestrator_args,
             ]
             if cfg.topology is not None:
@@ -271,9 +319,7 @@ class LocalCluster:
             for process in self.workers.values():
                 self.supervisor.wait_ready(process)
             roles = [p.role for p in placements]
-            OrchestratorClient(self.orchestrator_url).wait_workers(
-                roles.count("prefill"), roles.count("decode"), wait_s
-            )
+            self.client().wait_workers(roles.count("prefill"), roles.count("decode"), wait_s)
         except BaseException:
             self.stop()
             raise
@@ -313,7 +359,8 @@ class LocalCluster:
             args += engine.cli_args()
         if cfg.media is not None:
             args += ["--media", ",".join(cfg.media)]
-        if cfg.registry.startswith("etcd://"):
+        args += self._worker_auth_args(name)
+        if is_etcd_url(cfg.registry):
             args += ["--registry", cfg.registry]
         else:
             args += ["--orchestrator", self.orchestrator_url]
@@ -334,7 +381,7 @@ class LocalCluster:
     def client(self) -> OrchestratorClient:
         if not self.orchestrator_url:
             raise ClusterError("the cluster is not started")
-        return OrchestratorClient(self.orchestrator_url)
+        return OrchestratorClient(self.orchestrator_url, token=self.admin_token())
 
     def describe(self) -> dict[str, Any]:
         """Where everything runs (what ``topkv cluster up`` prints)."""
@@ -360,6 +407,11 @@ class LocalCluster:
                 for name, p in self.workers.items()
             ],
             "logs": str(self.run_dir),
+            "auth": (
+                {"admin_token_file": str(files.admin), "worker_token_file": str(files.worker)}
+                if (files := self.token_files) is not None
+                else None
+            ),
         }
 
     def served_model(self) -> str | None:

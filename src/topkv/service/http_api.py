@@ -42,7 +42,12 @@ from topkv.relay.executor import AttemptFailed
 from topkv.relay.orchestrator import Orchestrator, OrchestratorClosed, QueueFull, UnknownWorker
 from topkv.relay.orchestrator_config import OrchestratorConfig
 from topkv.relay.pairs import PairViewCache, endpoint_of
-from topkv.relay.registry import MemoryRegistry, WorkerRegistry, open_registry
+from topkv.relay.registry import (
+    MemoryRegistry,
+    WorkerRegistry,
+    open_registry,
+    redact_registry_url,
+)
 from topkv.relay.transfers import (
     DuplicateRequest,
     Outcome,
@@ -64,6 +69,15 @@ from topkv.service.api_models import (
     WorkerList,
     WorkerView,
 )
+from topkv.service.auth import (
+    REQUIRED,
+    Access,
+    Required,
+    Route,
+    ServerAuth,
+    secured_app,
+    warn_insecure,
+)
 from topkv.service.httputil import (
     error_middleware,
     error_response,
@@ -83,11 +97,28 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class OrchestratorServiceConfig:
+    """``auth``: the tokens the orchestrator accepts and the admin token its executor sends
+    to the workers, or None for no authentication at all (``--insecure-no-auth``); there is
+    no default, so nothing runs open by omission."""
+
+    auth: ServerAuth | Required | None = REQUIRED
     registry: str = "memory"
     topology_file: Path | None = None
     relay: OrchestratorConfig = field(default_factory=OrchestratorConfig)
     expire_interval_s: float = 0.25
     decode_checks_kept: int = 10_000
+
+    def __post_init__(self) -> None:
+        if isinstance(self.auth, Required):
+            raise ConfigError(
+                "the orchestrator needs auth=ServerAuth(...) (tokens), or auth=None to run "
+                "without authentication on purpose"
+            )
+
+    @property
+    def server_auth(self) -> ServerAuth | None:
+        assert not isinstance(self.auth, Required)
+        return self.auth
 
 
 class TopologyPairs:
@@ -129,7 +160,11 @@ class OrchestratorService:
         self.embedded = isinstance(self.registry, MemoryRegistry)
         self.cluster = load_topology(config.topology_file) if config.topology_file else None
         self.pairs = TopologyPairs(self.cluster) if self.cluster is not None else PairViewCache()
-        self.executor = RemoteExecutor(call_timeout_s=config.relay.executor_call_timeout_s)
+        auth = config.server_auth
+        self.executor = RemoteExecutor(
+            call_timeout_s=config.relay.executor_call_timeout_s,
+            token=auth.client_token if auth is not None else None,
+        )
         self.orchestrator = Orchestrator(
             self.registry, self.executor, config=config.relay, pair_view=self.pairs
         )
@@ -254,22 +289,22 @@ class OrchestratorService:
     # -- HTTP --------------------------------------------------------------------------------
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[_error_middleware])
-        r = app.router
-        r.add_post("/v1/requests", self.submit)
-        r.add_get("/v1/requests/{request_id}", self.get_request)
-        r.add_delete("/v1/requests/{request_id}", self.abort_request)
-        r.add_get("/v1/transfers", self.list_transfers)
-        r.add_get("/v1/workers", self.list_workers)
-        r.add_post("/v1/workers", self.register_worker)
-        r.add_put("/v1/workers/{worker_id}/heartbeat", self.heartbeat_worker)
-        r.add_delete("/v1/workers/{worker_id}", self.deregister_worker)
-        r.add_get("/v1/topology", self.topology)
-        r.add_get("/healthz", self.healthz)
-        r.add_get("/readyz", self.readyz)
-        r.add_get("/metrics", self.metrics)
-        r.add_get("/openapi.json", self.openapi)
-        return app
+        routes = [
+            Route("POST", "/v1/requests", self.submit, Access.ADMIN),
+            Route("GET", "/v1/requests/{request_id}", self.get_request, Access.ADMIN),
+            Route("DELETE", "/v1/requests/{request_id}", self.abort_request, Access.ADMIN),
+            Route("GET", "/v1/transfers", self.list_transfers, Access.ADMIN),
+            Route("GET", "/v1/workers", self.list_workers, Access.ADMIN),
+            Route("POST", "/v1/workers", self.register_worker, Access.WORKER),
+            Route("PUT", "/v1/workers/{worker_id}/heartbeat", self.heartbeat_worker, Access.WORKER),
+            Route("DELETE", "/v1/workers/{worker_id}", self.deregister_worker, Access.WORKER),
+            Route("GET", "/v1/topology", self.topology, Access.ADMIN),
+            Route("GET", "/healthz", self.healthz, Access.PUBLIC),
+            Route("GET", "/readyz", self.readyz, Access.PUBLIC),
+            Route("GET", "/metrics", self.metrics, Access.METRICS),
+            Route("GET", "/openapi.json", self.openapi, Access.PUBLIC),
+        ]
+        return secured_app(routes, self.config.server_auth, middlewares=[_error_middleware])
 
     async def submit(self, request: web.Request) -> web.Response:
         body = await read_model(request, SubmitRequest)
@@ -375,7 +410,9 @@ class OrchestratorService:
             WorkerView(worker=w, slots_used=self.orchestrator.slots_used(w.worker_id))
             for w in self.orchestrator.view.workers()
         ]
-        return model_response(WorkerList(registry=self.config.registry, workers=workers))
+        return model_response(
+            WorkerList(registry=redact_registry_url(self.config.registry), workers=workers)
+        )
 
     def _require_embedded(self) -> web.Response | None:
         if self.embedded:
@@ -383,7 +420,8 @@ class OrchestratorService:
         return error_response(
             409,
             "registry",
-            f"this orchestrator uses {self.config.registry}; workers register there directly",
+            f"this orchestrator uses {redact_registry_url(self.config.registry)}; workers "
+            "register there directly",
         )
 
     async def register_worker(self, request: web.Request) -> web.Response:
@@ -508,6 +546,8 @@ async def serve_orchestrator(
     """Run the orchestrator service on ``host:port`` until ``stop`` is set."""
     from topkv.service.httputil import site_url
 
+    if config.server_auth is None:
+        warn_insecure("orchestrator")
     service = OrchestratorService(config)
     await service.start()
     runner = web.AppRunner(service.app(), access_log=None, handle_signals=False)
@@ -515,7 +555,9 @@ async def serve_orchestrator(
         await runner.setup()
         await web.TCPSite(runner, host, port).start()
         url = site_url(runner, host)
-        log.info("orchestrator listening on %s (registry %s)", url, config.registry)
+        log.info(
+            "orchestrator listening on %s (registry %s)", url, redact_registry_url(config.registry)
+        )
         if on_ready is not None and not on_ready.done():
             on_ready.set_result(url)
         await stop.wait()

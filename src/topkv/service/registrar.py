@@ -14,8 +14,10 @@ from typing import Protocol
 import aiohttp
 
 from topkv.errors import TopKVError
+from topkv.relay.etcd_access import is_etcd_url
 from topkv.relay.registry import Registration, WorkerRegistry, open_registry
 from topkv.relay.workers import WorkerInfo
+from topkv.service.auth import auth_headers
 from topkv.service.errors import ServiceError, ServiceUnreachable
 from topkv.service.messages import RegisterRequest
 
@@ -37,8 +39,10 @@ class Registrar(Protocol):
 class HttpRegistrar:
     """Registers through an orchestrator's ``/v1/workers`` endpoints."""
 
-    def __init__(self, orchestrator_url: str) -> None:
+    def __init__(self, orchestrator_url: str, token: str | None = None) -> None:
+        """``token``: this worker's worker token (None: the orchestrator runs open)."""
         self._base = orchestrator_url.rstrip("/")
+        self._headers = {"Content-Type": "application/json", **auth_headers(token)}
         self._session: aiohttp.ClientSession | None = None
         self._worker_id = ""
 
@@ -51,9 +55,17 @@ class HttpRegistrar:
         url = f"{self._base}{path}"
         try:
             async with self._client().request(
-                method, url, data=body, headers={"Content-Type": "application/json"}
+                method, url, data=body, headers=self._headers
             ) as response:
                 text = await response.text()
+                if response.status == 401:
+                    raise ServiceError(
+                        f"{method} {url} -> 401: the orchestrator does not accept this "
+                        "worker's token; give the cluster's worker token with --token-file "
+                        "(or $TOPKV_TOKEN_FILE)"
+                    )
+                if response.status == 403:
+                    raise ServiceError(f"{method} {url} -> 403: {text[:300]}")
                 if response.status >= 500 or response.status in (400, 409, 422):
                     raise ServiceError(f"{method} {url} -> {response.status}: {text[:300]}")
                 return response.status
@@ -113,12 +125,13 @@ class DirectRegistrar:
         await asyncio.to_thread(self._registry.close)
 
 
-def open_registrar(orchestrator_url: str, registry_url: str) -> Registrar:
-    """Direct registration for ``etcd://`` registries, else through the orchestrator."""
-    if registry_url and registry_url.startswith("etcd://"):
+def open_registrar(orchestrator_url: str, registry_url: str, token: str | None = None) -> Registrar:
+    """Direct registration for ``etcd://`` registries, else through the orchestrator (with
+    ``token``, this worker's worker token)."""
+    if registry_url and is_etcd_url(registry_url):
         return DirectRegistrar(open_registry(registry_url))
     if orchestrator_url:
-        return HttpRegistrar(orchestrator_url)
+        return HttpRegistrar(orchestrator_url, token)
     raise ServiceError(
         f"registry {registry_url!r} lives inside the orchestrator: give --orchestrator URL"
     )

@@ -37,6 +37,7 @@ from topkv.errors import ConfigError
 from topkv.relay.executor import AttemptFailed, AttemptPlan, Delivery
 from topkv.relay.transfers import FailureKind
 from topkv.relay.workers import WorkerInfo
+from topkv.service.auth import auth_headers
 from topkv.service.messages import (
     DecodeRequest,
     DecodeResult,
@@ -93,9 +94,12 @@ class RemoteExecutor:
         call_timeout_s: float = 10.0,
         max_connections: int = 512,
         pacing: Pacing | None = None,
+        token: str | None = None,
     ) -> None:
         """``pacing``: pace each attempt's send to an emulated path (an orchestrator whose
-        topology is emulated on one host, e.g. ``topkv demo``); None sends at full speed."""
+        topology is emulated on one host, e.g. ``topkv demo``); None sends at full speed.
+        ``token``: the admin token the workers' control APIs accept (None: they run open)."""
+        self.token = token
         self.media = dict(DEFAULT_MEDIA if media is None else media)
         self.pacing = pacing
         self.call_timeout_s = call_timeout_s
@@ -108,7 +112,9 @@ class RemoteExecutor:
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             connector = aiohttp.TCPConnector(limit=self._max_connections)
-            self._session = aiohttp.ClientSession(connector=connector)
+            self._session = aiohttp.ClientSession(
+                connector=connector, headers=auth_headers(self.token)
+            )
         return self._session
 
     async def close(self) -> None:

@@ -45,6 +45,7 @@ from aiohttp import web
 from topkv.errors import TopKVError
 from topkv.relay.executor import classify_failure
 from topkv.relay.workers import WorkerInfo
+from topkv.service.auth import Access, Route, secured_app, warn_insecure
 from topkv.service.engines import (
     EngineRequestError,
     PrefillPlan,
@@ -182,7 +183,9 @@ class WorkerService:
             self._tcp_address = f"tcp://{format_host(advertise)}:{tcp_port}"
         if "shm" in media:
             self._sinks["shm"] = ShmSink(cfg.secret, on_layer=self._inbox.landed)
-        self._runner = web.AppRunner(self.app(), access_log=None, handle_signals=False)
+        self._runner = web.AppRunner(
+            self.app(), access_log=None, handle_signals=False, shutdown_timeout=5.0
+        )
         await self._runner.setup()
         await web.TCPSite(self._runner, cfg.bind_host, cfg.control_port).start()
         control_url = site_url(self._runner, advertise)
@@ -202,7 +205,9 @@ class WorkerService:
             control_url=control_url,
         )
         if self._registrar is None:
-            self._registrar = open_registrar(cfg.orchestrator_url, cfg.registry_url)
+            auth = cfg.server_auth
+            token = auth.client_token if auth is not None else None
+            self._registrar = open_registrar(cfg.orchestrator_url, cfg.registry_url, token)
         await self._registrar.register(self.info, cfg.ttl_s)
         self._heartbeat_task = asyncio.create_task(self._heartbeat_loop())
         if cfg.ready_file is not None:
@@ -264,6 +269,15 @@ class WorkerService:
         if self._registrar is not None:
             await self._registrar.close()
             self._registrar = None
+        # A crash cuts the data plane first: transfers in flight fail now, not after the
+        # control API finished answering its open requests.
+        for out in list(self._outgoing.values()):
+            out.cancel()
+        self._inbox.drop_all()
+        for sink in self._sinks.values():
+            sink.close()
+        if self._runner is not None:
+            await self._runner.shutdown()  # stop accepting and close idle connections
         await self.stop()
 
     async def _heartbeat_loop(self) -> None:
@@ -287,20 +301,22 @@ class WorkerService:
     # -- control API -------------------------------------------------------------------------
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[_error_middleware])
-        app.router.add_get("/healthz", self._healthz)
-        app.router.add_get("/v1/info", self._info)
-        app.router.add_get("/v1/kv", self._list_kv)
-        app.router.add_get("/v1/kv/{request_id}", self._get_kv)
-        app.router.add_delete("/v1/kv/{request_id}", self._delete_kv)
-        app.router.add_post("/v1/kv/{request_id}/prefill", self._prefill)
-        app.router.add_post("/v1/kv/{request_id}/decode", self._decode)
-        app.router.add_post("/v1/kv/{request_id}/wait", self._wait)
-        app.router.add_post("/v1/kv/{request_id}/cancel", self._cancel_send)
-        app.router.add_post("/v1/receive", self._receive)
-        app.router.add_post("/v1/send", self._send)
-        app.router.add_post("/v1/generate", self._generate)
-        return app
+        admin = Access.ADMIN  # the orchestrator's executor (an admin token) drives workers
+        routes = [
+            Route("GET", "/healthz", self._healthz, Access.PUBLIC),
+            Route("GET", "/v1/info", self._info, admin),
+            Route("GET", "/v1/kv", self._list_kv, admin),
+            Route("GET", "/v1/kv/{request_id}", self._get_kv, admin),
+            Route("DELETE", "/v1/kv/{request_id}", self._delete_kv, admin),
+            Route("POST", "/v1/kv/{request_id}/prefill", self._prefill, admin),
+            Route("POST", "/v1/kv/{request_id}/decode", self._decode, admin),
+            Route("POST", "/v1/kv/{request_id}/wait", self._wait, admin),
+            Route("POST", "/v1/kv/{request_id}/cancel", self._cancel_send, admin),
+            Route("POST", "/v1/receive", self._receive, admin),
+            Route("POST", "/v1/send", self._send, admin),
+            Route("POST", "/v1/generate", self._generate, admin),
+        ]
+        return secured_app(routes, self.config.server_auth, middlewares=[_error_middleware])
 
     async def _healthz(self, request: web.Request) -> web.Response:
         return web.json_response({"ok": True, "worker_id": self.worker_id})
@@ -663,6 +679,8 @@ async def serve_worker(config: WorkerConfig, stop: asyncio.Event) -> None:
     # Transport threads (senders, receivers, link pacers) must get the GIL at once while the
     # engine's thread computes, or their stamps and departures carry GIL waits (5 ms default).
     sys.setswitchinterval(0.0005)
+    if config.server_auth is None:
+        warn_insecure(f"worker {config.resolved_worker_id()}")
     service = WorkerService(config)
     try:
         await service.start()

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from topkv.errors import ConfigError
 from topkv.relay.workers import Role, WorkerCapabilities
+from topkv.service.auth import REQUIRED, Required, ServerAuth
 from topkv.service.engines import EngineSpec
 
 SECRET_ENV = "TOPKV_SECRET"
@@ -96,6 +97,22 @@ class WorkerConfig:
     #: Real media to offer (see :mod:`topkv.service.worker_media`); None: every one
     #: installed here (shm only when ``capabilities.shm``).
     media: tuple[str, ...] | None = None
+    #: The tokens its control API accepts (the orchestrator's admin token, or its digest)
+    #: and its own worker token (to register over HTTP); None: no authentication, on
+    #: purpose (``--insecure-no-auth``). No default: nothing runs open by omission.
+    auth: ServerAuth | Required | None = REQUIRED
+
+    def __post_init__(self) -> None:
+        if isinstance(self.auth, Required):
+            raise ConfigError(
+                "a worker needs auth=ServerAuth(...) (the control token it accepts, its worker "
+                "token), or auth=None to run without authentication on purpose"
+            )
+
+    @property
+    def server_auth(self) -> ServerAuth | None:
+        assert not isinstance(self.auth, Required)
+        return self.auth
 
     def resolved_worker_id(self) -> str:
         gpus = "-".join(str(g) for g in self.gpus) or "cpu"
