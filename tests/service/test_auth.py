@@ -295,3 +295,97 @@ def test_cluster_up_writes_0600_tokens_before_ready_and_refuses_the_attack(
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def test_a_deployment_by_hand_with_token_files(tmp_path: Path) -> None:
+    """``topkv token new`` files wired into an orchestrator and two workers by their flags;
+    the workers hold only their worker token and the admin token's digest."""
+
+    def run(*args: str) -> str:
+        done = subprocess.run([*TOPKV, *args], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip()
+
+    admin_file, worker_file = tmp_path / "admin.token", tmp_path / "worker.token"
+    digest = run("token", "new", str(admin_file))
+    run("token", "new", str(worker_file))
+    control = write_token_file(tmp_path / "control.sha256", digest)
+    assert run("token", "digest", str(admin_file)) == digest
+    processes: list[subprocess.Popen[str]] = []
+    env = {**os.environ, "TOPKV_SECRET": "hand-made-deployment-secret"}
+    try:
+        ready = tmp_path / "orchestrator.json"
+        processes.append(
+            subprocess.Popen(
+                [
+                    *TOPKV,
+                    "orchestrator",
+                    "--port",
+                    "0",
+                    "--ready-file",
+                    str(ready),
+                    "--token-file",
+                    str(admin_file),
+                    "--worker-token-file",
+                    str(worker_file),
+                ],
+                env=env,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert time.monotonic() < deadline and processes[0].poll() is None
+            time.sleep(0.05)
+        url = json.loads(ready.read_text())["url"]
+        for gpu, role in enumerate(("prefill", "decode")):
+            processes.append(
+                subprocess.Popen(
+                    [
+                        *TOPKV,
+                        "worker",
+                        "--role",
+                        role,
+                        "--gpu",
+                        str(gpu),
+                        "--orchestrator",
+                        url,
+                        "--control-token-file",
+                        str(control),
+                    ],
+                    env={**env, "TOPKV_TOKEN_FILE": str(worker_file)},
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+            )
+        admin = read_token(admin_file)
+        while _status(url + "/readyz") != 200:
+            assert time.monotonic() < deadline, "the workers did not register"
+            assert all(p.poll() is None for p in processes)
+            time.sleep(0.1)
+        request = {
+            "request_id": 1,
+            "model": "m",
+            "layout": {"num_layers": 2, "seq_len": 8, "kv_heads": 1, "head_dim": 8},
+        }
+        assert _status(url + "/v1/requests", admin, "POST", request) == 202
+        while True:
+            answer = urllib.request.urlopen(
+                urllib.request.Request(url + "/v1/requests/1", headers=auth_headers(admin)),
+                timeout=5,
+            )
+            record = json.loads(answer.read())
+            if record["decode_check"] is not None:
+                break
+            assert time.monotonic() < deadline, record
+            time.sleep(0.1)
+        assert record["state"] == "delivered" and record["decode_check"]["matches_source"]
+    finally:
+        for process in reversed(processes):
+            process.terminate()
+        for process in processes:
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                process.kill()

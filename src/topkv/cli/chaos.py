@@ -9,6 +9,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
+from topkv.cli.auth_options import client_token, token_file_option
 from topkv.cli.console import stdout_console
 from topkv.cli.select import parse_byte_size
 from topkv.errors import ConfigError
@@ -37,6 +38,10 @@ def chaos_command(
         None, help="processes mode: keep worker logs and ready files here (default: temp)."
     ),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+    token_file: Path | None = token_file_option(
+        "the admin token the run's workers accept and its executor sends (default: "
+        "$TOPKV_TOKEN_FILE, else one made for the run)"
+    ),
 ) -> None:
     """Run transfers through a local cluster with faults; exit 1 if any condition fails."""
     if mode not in ("processes", "inprocess"):
@@ -51,6 +56,7 @@ def chaos_command(
         slow_link_gbps=slow_link_gbps if slow_link_gbps > 0 else None,
         seed=seed,
         run_dir=run_dir,
+        admin_token=client_token(token_file),
     )
     report = asyncio.run(run_chaos(config))
     problems = report.problems(limit)

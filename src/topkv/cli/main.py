@@ -26,6 +26,7 @@ COMMAND_MODULES: list[str] = [
     "services",
     "demo",
     "sim_validate",
+    "token",
 ]
 
 _typer_app = typer.Typer(

@@ -56,6 +56,7 @@ from topkv.relay.transfers import Outcome
 from topkv.relay.workers import WorkerInfo
 from topkv.service.client import http_json
 from topkv.service.cluster import ClusterConfig, LocalCluster
+from topkv.service.cluster_tokens import ClusterTokens
 from topkv.service.errors import ClusterError
 from topkv.service.messages import LayoutModel, PrefillRequest
 from topkv.service.registrations import RegistrationServer
@@ -115,6 +116,8 @@ class ProcessWorkers:
             ),
             config.run_dir,
         )
+        if config.admin_token is not None:
+            self.cluster.tokens = ClusterTokens(admin=config.admin_token)
         self.api: RegistrationServer | None = None
         self.processes: dict[str, ManagedProcess] = {}
         self.admin_token = self.cluster.admin_token()

@@ -49,6 +49,9 @@ class ChaosConfig:
     backoff_s: float = 0.01
     run_timeout_s: float = 600.0
     run_dir: Path | None = None  # processes: worker logs and ready files (default: temp)
+    #: the admin token the cluster's workers accept and the run's executor sends (None:
+    #: minted for the run; ``topkv chaos --token-file``)
+    admin_token: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.mode not in ("processes", "inprocess"):

@@ -31,7 +31,7 @@ class InProcessWorkers:
     def __init__(self, config: ChaosConfig) -> None:
         self.config = config
         self.cluster: InProcessCluster | None = None
-        self.admin_token: str | None = new_token()
+        self.admin_token: str | None = config.admin_token or new_token()
 
     async def start(self, registry: MemoryRegistry) -> list[str]:
         self.cluster = InProcessCluster(registry, ttl_s=LEASE_S, admin_token=self.admin_token)

@@ -1,0 +1,36 @@
+"""``topkv token new FILE``: make a bearer token file (mode 0600) for the control plane."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from topkv.errors import ConfigError
+from topkv.service.auth import digest_line, new_token, read_token, write_token_file
+
+
+def new_command(
+    path: Path = typer.Argument(..., help="where to write the token (mode 0600)"),
+    force: bool = typer.Option(False, "--force", help="replace an existing file"),
+) -> None:
+    """Write a fresh random token; print its sha256: digest (what a verifier needs)."""
+    if path.exists() and not force:
+        raise ConfigError(f"{path} exists; pass --force to replace it")
+    token = new_token()
+    write_token_file(path, token)
+    typer.echo(digest_line(token))
+
+
+def digest_command(
+    path: Path = typer.Argument(..., help="a token file"),
+) -> None:
+    """Print the sha256: digest of the token in a file (for a worker's --control-token-file)."""
+    typer.echo(digest_line(read_token(path)))
+
+
+def register(app: typer.Typer) -> None:
+    token = typer.Typer(help="Bearer tokens for the control plane.", no_args_is_help=True)
+    token.command("new")(new_command)
+    token.command("digest")(digest_command)
+    app.add_typer(token, name="token")
