@@ -19,6 +19,14 @@ reused from the previous decision and are recomputed for every decode worker).
 
 Targets (issue #5): >= 10,000 transfers/s and p50 <= 100 us.
 
+``auth`` (issue #13): what bearer-token checks cost, measured in the same run with them off.
+``check_us``: one :meth:`Credentials.authenticate` (SHA-256 of the token, constant-time
+compares against one admin and 64 worker digests); ``http``: requests per second through
+the same :func:`~topkv.service.auth.secured_app` stack the orchestrator serves (a trivial
+admin endpoint, keep-alive loopback HTTP, 32 concurrent), auth on vs off, and the ratio.
+The relay's transfers/s above does not pass through HTTP, so auth cannot change it; at
+10,000 transfers/s the checks cost ``10,000 * check_us`` microseconds of CPU per second.
+
 Run: ``.venv/bin/python benchmarks/orchestrator.py [--transfers N] [--decode M] [--runs R]``
 """
 
@@ -37,6 +45,7 @@ from topkv.relay.orchestrator import Orchestrator
 from topkv.relay.orchestrator_config import OrchestratorConfig
 from topkv.relay.registry import MemoryRegistry
 from topkv.relay.workers import WorkerInfo
+from topkv.service.auth import Access, Credentials, Route, ServerAuth, new_token, secured_app
 from topkv.transport.base import KVLayout
 
 LAYOUT = KVLayout(num_layers=1, seq_len=1, kv_heads=1, head_dim=8)  # 32 bytes
@@ -127,6 +136,52 @@ async def overhead(samples: int, decode: int) -> list[float]:
     return latencies[200:]  # drop warm-up
 
 
+def check_cost_us(checks: int = 20_000) -> float:
+    """Microseconds per token check (1 admin + 64 worker digests, the admin token shown)."""
+    admin = new_token()
+    credentials = Credentials.of(admin=[admin], worker=[new_token() for _ in range(64)])
+    start = time.perf_counter()
+    for _ in range(checks):
+        credentials.authenticate(admin)
+    return (time.perf_counter() - start) / checks * 1e6
+
+
+async def http_rate(auth_on: bool, requests: int, concurrency: int = 32) -> float:
+    """Requests/s through the orchestrator's HTTP stack (auth middleware included)."""
+    import aiohttp
+    from aiohttp import web
+
+    token = new_token()
+
+    async def ok(request: web.Request) -> web.Response:
+        return web.json_response({"ok": True})
+
+    auth = ServerAuth(Credentials.of(admin=[token])) if auth_on else None
+    app = secured_app([Route("GET", "/v1/transfers", ok, Access.ADMIN)], auth)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    url = f"http://127.0.0.1:{port}/v1/transfers"
+    headers = {"Authorization": f"Bearer {token}"}
+    per_worker = requests // concurrency
+    try:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as http:
+
+            async def worker() -> None:
+                for _ in range(per_worker):
+                    async with http.get(url, headers=headers) as answer:
+                        assert answer.status == 200
+                        await answer.read()
+
+            start = time.perf_counter()
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
+            return per_worker * concurrency / (time.perf_counter() - start)
+    finally:
+        await runner.cleanup()
+
+
 def _median(values: list[float]) -> float:
     return statistics.median(values)
 
@@ -137,6 +192,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=3_000)
     parser.add_argument("--decode", type=int, default=4, help="decode workers to route among")
     parser.add_argument("--runs", type=int, default=5, help="runs per figure (median)")
+    parser.add_argument("--http-requests", type=int, default=4_000, help="per auth run")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     load_before = os.getloadavg()[0]
@@ -158,7 +214,16 @@ def main() -> None:
         rate, cpu_rate = asyncio.run(throughput(args.transfers, args.decode, YieldingExecutor()))
         loaded_rates.append(rate)
         loaded_cpu_rates.append(cpu_rate)
+    http_on: list[float] = []
+    http_off: list[float] = []
+    checks: list[float] = []
+    asyncio.run(http_rate(False, 500))  # warm-up: imports, first connections
+    for _ in range(args.runs):  # interleaved, so load changes hit both alike
+        http_off.append(asyncio.run(http_rate(False, args.http_requests)))
+        http_on.append(asyncio.run(http_rate(True, args.http_requests)))
+        checks.append(check_cost_us())
     rate, cpu_rate, p50 = _median(rates), _median(cpu_rates), _median(p50s)
+    check_us = _median(checks)
     result = {
         "transfers_per_s": round(rate),
         "transfers_per_cpu_s": round(cpu_rate),
@@ -167,6 +232,16 @@ def main() -> None:
         "under_link_load": {
             "transfers_per_s": round(_median(loaded_rates)),
             "transfers_per_cpu_s": round(_median(loaded_cpu_rates)),
+        },
+        "auth": {
+            "check_us": round(check_us, 2),
+            "http_requests_per_s": {
+                "auth_off": round(_median(http_off)),
+                "auth_on": round(_median(http_on)),
+                "ratio_on_off": round(_median(http_on) / _median(http_off), 3),
+            },
+            "cpu_share_at_10k_transfers_per_s": round(10_000 * check_us / 1e6, 4),
+            "note": "the relay's transfers/s does not pass through HTTP: auth cannot lower it",
         },
         "runs": args.runs,
         "transfers_per_run": args.transfers,
