@@ -114,9 +114,8 @@ class HeldKV:
 
     def finish(self, first_token: int | None) -> None:
         """Every layer is published: the KV is whole (or, with layers missing, failed)."""
-        with self._cond:
-            if self.ended:
-                return
+
+        def whole() -> None:
             if len(self.layers) != self.layout.num_layers:
                 self.error = (
                     f"prefill published {len(self.layers)} of {self.layout.num_layers} layers"
@@ -124,17 +123,21 @@ class HeldKV:
             else:
                 self.complete = True
                 self.first_token = first_token
-            callbacks, self._on_done = self._on_done, []
-            self._listeners = []
-            self._cond.notify_all()
-        for callback in callbacks:
-            callback()
+
+        self._end(whole)
 
     def fail(self, reason: str) -> None:
+        def failed() -> None:
+            self.error = reason
+
+        self._end(failed)
+
+    def _end(self, settle: Callable[[], None]) -> None:
+        """Settle the outcome once (under the lock), then wake every waiter."""
         with self._cond:
             if self.ended:
                 return
-            self.error = reason
+            settle()
             callbacks, self._on_done = self._on_done, []
             self._listeners = []
             self._cond.notify_all()
