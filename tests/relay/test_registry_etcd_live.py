@@ -3,26 +3,29 @@
 Each server here is this module's own (the shared ``etcd_url`` server stays open to the
 other tests): one with ``auth enable`` (root, a worker user with readwrite on ``/topkv/``,
 one with no role; tokens live 2 s so a refresh happens), one serving TLS, one requiring
-client certificates. A throwaway CA and certificates come from the ``openssl`` command.
+client certificates. A throwaway CA and certificates come from the ``openssl`` command
+(``tests/tls_certs.py``); the servers are ``tests/etcd_servers.py``'s.
 """
 
 from __future__ import annotations
 
-import base64
 import shutil
-import socket
-import subprocess
 import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
-import requests
 
+from etcd_servers import (
+    OTHER_PASSWORD,
+    WORKER_PASSWORD,
+    enable_auth,
+    start_etcd,
+    stop_etcd,
+)
+from tls_certs import make_ca, make_leaf, need_openssl
 from topkv.relay.etcd_session import EtcdSession
 from topkv.relay.registry import RegistryError, open_registry
 from topkv.relay.registry_etcd import EtcdRegistry
@@ -30,9 +33,6 @@ from topkv.relay.workers import RegistryEvent, WorkerInfo
 
 pytestmark = pytest.mark.etcd
 
-ROOT_PASSWORD = "root-Zx9-pw"
-WORKER_PASSWORD = "worker-Zx9-pw"
-OTHER_PASSWORD = "other-Zx9-pw"
 TOKEN_TTL_S = 2
 
 
@@ -40,75 +40,6 @@ def _info(worker_id: str, capacity: int = 4) -> WorkerInfo:
     return WorkerInfo.model_validate(
         {"worker_id": worker_id, "role": "decode", "node": "n0", "gpus": [0], "capacity": capacity}
     )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@dataclass
-class _Etcd:
-    proc: subprocess.Popen[bytes]
-    port: int
-    log: Path
-
-
-def _start_etcd(
-    workdir: Path,
-    name: str,
-    *,
-    tls: tuple[Path, Path, Path] | None = None,
-    client_cert: tuple[str, str] | None = None,
-    extra: tuple[str, ...] = (),
-) -> _Etcd:
-    """etcd on free loopback ports; ``tls`` = (ca, server cert, server key) serves HTTPS."""
-    binary = shutil.which("etcd")
-    if binary is None:
-        pytest.skip("etcd binary not installed (apt-get install etcd-server); .ci/run installs it")
-    client_port, peer_port = _free_port(), _free_port()
-    client = f"{'https' if tls else 'http'}://127.0.0.1:{client_port}"
-    peer = f"http://127.0.0.1:{peer_port}"
-    args = [
-        binary,
-        f"--name={name}",
-        f"--data-dir={workdir / name}",
-        f"--listen-client-urls={client}",
-        f"--advertise-client-urls={client}",
-        f"--listen-peer-urls={peer}",
-        f"--initial-advertise-peer-urls={peer}",
-        f"--initial-cluster={name}={peer}",
-        *extra,
-    ]
-    if tls is not None:
-        args += [f"--cert-file={tls[1]}", f"--key-file={tls[2]}"]
-    log = workdir / f"{name}.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
-    etcd = _Etcd(proc, client_port, log)
-    verify: str | bool = str(tls[0]) if tls else True
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            if requests.get(f"{client}/health", timeout=1, verify=verify, cert=client_cert).ok:
-                return etcd
-        except requests.RequestException:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            _stop(etcd)
-            tail = log.read_text(errors="replace")[-2000:]
-            raise RuntimeError(f"etcd {name} did not become healthy within 20 s:\n{tail}")
-        time.sleep(0.1)
-
-
-def _stop(etcd: _Etcd) -> None:
-    etcd.proc.terminate()
-    try:
-        etcd.proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        etcd.proc.kill()
-        etcd.proc.wait(timeout=10)
 
 
 @pytest.fixture(scope="module")
@@ -120,92 +51,28 @@ def workdir() -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def _b64(text: str) -> str:
-    return base64.b64encode(text.encode()).decode()
-
-
-def _enable_auth(port: int) -> None:
-    """Users root, worker (readwrite on /topkv/) and other (no role); then ``auth enable``."""
-    base = f"http://127.0.0.1:{port}/v3/auth"
-    calls: list[tuple[str, dict[str, Any]]] = [
-        ("user/add", {"name": "root", "password": ROOT_PASSWORD}),
-        ("user/grant", {"user": "root", "role": "root"}),
-        ("user/add", {"name": "worker", "password": WORKER_PASSWORD}),
-        ("user/add", {"name": "other", "password": OTHER_PASSWORD}),
-        ("role/add", {"name": "topkv"}),
-        (
-            "role/grant",
-            {
-                "name": "topkv",
-                "perm": {
-                    "permType": "READWRITE",
-                    "key": _b64("/topkv/"),
-                    "range_end": _b64("/topkv0"),
-                },
-            },
-        ),
-        ("user/grant", {"user": "worker", "role": "topkv"}),
-        ("enable", {}),
-    ]
-    for path, body in calls:
-        response = requests.post(f"{base}/{path}", json=body, timeout=5)
-        assert response.ok, f"{path}: {response.status_code} {response.text}"
-
-
 @pytest.fixture(scope="module")
 def auth_port(workdir: Path) -> Iterator[int]:
-    etcd = _start_etcd(workdir, "auth", extra=(f"--auth-token-ttl={TOKEN_TTL_S}",))
+    etcd = start_etcd(workdir, "auth", extra=(f"--auth-token-ttl={TOKEN_TTL_S}",))
     try:
-        _enable_auth(etcd.port)
+        enable_auth(etcd.port)
         yield etcd.port
     finally:
-        _stop(etcd)
-
-
-def _openssl(workdir: Path, *args: str) -> None:
-    subprocess.run(["openssl", *args], cwd=workdir, check=True, capture_output=True, timeout=30)
-
-
-def _make_ca(workdir: Path, name: str) -> None:
-    _openssl(
-        workdir,
-        *("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"),
-        *("-keyout", f"{name}.key", "-out", f"{name}.crt", "-days", "2", "-subj", f"/CN={name}"),
-        *("-addext", "basicConstraints=critical,CA:TRUE"),
-        *("-addext", "keyUsage=critical,keyCertSign,cRLSign"),
-    )
-
-
-def _make_leaf(workdir: Path, ca: str, name: str, usage: str) -> None:
-    _openssl(
-        workdir,
-        *("req", "-new", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"),
-        *("-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}"),
-    )
-    (workdir / f"{name}.ext").write_text(
-        "basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature\n"
-        f"extendedKeyUsage={usage}\nsubjectAltName=IP:127.0.0.1,DNS:localhost\n"
-    )
-    _openssl(
-        workdir,
-        *("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.crt", "-CAkey", f"{ca}.key"),
-        *("-CAcreateserial", "-out", f"{name}.crt", "-days", "2", "-extfile", f"{name}.ext"),
-    )
+        stop_etcd(etcd)
 
 
 @pytest.fixture(scope="module")
 def certs(workdir: Path) -> Path:
     """ca (signs server + client), otherca (signs stranger); the server cert also allows
     clientAuth: etcd's gateway dials etcd itself with it when client certs are required."""
-    if shutil.which("openssl") is None:
-        pytest.skip("the openssl command is not installed; it makes the test certificates")
+    need_openssl()
     path = workdir / "certs"
     path.mkdir()
-    _make_ca(path, "ca")
-    _make_ca(path, "otherca")
-    _make_leaf(path, "ca", "server", "serverAuth,clientAuth")
-    _make_leaf(path, "ca", "client", "clientAuth")
-    _make_leaf(path, "otherca", "stranger", "clientAuth")
+    make_ca(path, "ca")
+    make_ca(path, "otherca")
+    make_leaf(path, "ca", "server", "serverAuth,clientAuth")
+    make_leaf(path, "ca", "client", "clientAuth")
+    make_leaf(path, "otherca", "stranger", "clientAuth")
     return path
 
 
@@ -215,16 +82,16 @@ def _server_tls(certs: Path) -> tuple[Path, Path, Path]:
 
 @pytest.fixture(scope="module")
 def tls_port(workdir: Path, certs: Path) -> Iterator[int]:
-    etcd = _start_etcd(workdir, "tls", tls=_server_tls(certs))
+    etcd = start_etcd(workdir, "tls", tls=_server_tls(certs))
     try:
         yield etcd.port
     finally:
-        _stop(etcd)
+        stop_etcd(etcd)
 
 
 @pytest.fixture(scope="module")
 def mtls_port(workdir: Path, certs: Path) -> Iterator[int]:
-    etcd = _start_etcd(
+    etcd = start_etcd(
         workdir,
         "mtls",
         tls=_server_tls(certs),
@@ -234,7 +101,7 @@ def mtls_port(workdir: Path, certs: Path) -> Iterator[int]:
     try:
         yield etcd.port
     finally:
-        _stop(etcd)
+        stop_etcd(etcd)
 
 
 class _Events:
