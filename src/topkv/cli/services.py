@@ -23,6 +23,22 @@ from topkv.cli.auth_options import (
     worker_auth,
 )
 from topkv.cli.console import stdout_console
+from topkv.cli.security_options import (
+    apply_etcd_env,
+    check_etcd_env,
+    client_tls,
+    etcd_ca_option,
+    etcd_cert_option,
+    etcd_env,
+    etcd_flags,
+    etcd_key_option,
+    etcd_password_file_option,
+    etcd_user_option,
+    server_tls,
+    tls_ca_option,
+    tls_cert_option,
+    tls_key_option,
+)
 from topkv.errors import ConfigError
 from topkv.jsonout import dumps
 from topkv.relay.orchestrator_config import OrchestratorConfig, RetryPolicy
@@ -98,12 +114,23 @@ def orchestrator_command(
     ),
     protect_metrics: bool = typer.Option(False, help="/metrics needs an admin token"),
     insecure_no_auth: bool = insecure_option(),
+    tls_cert: Path | None = tls_cert_option(),
+    tls_key: Path | None = tls_key_option(),
+    tls_ca: Path | None = tls_ca_option(
+        "the CA that https:// workers' certificates are verified with (default: the system's)"
+    ),
+    etcd_user: str = etcd_user_option(),
+    etcd_password_file: Path | None = etcd_password_file_option(),
+    etcd_ca: Path | None = etcd_ca_option(),
+    etcd_cert: Path | None = etcd_cert_option(),
+    etcd_key: Path | None = etcd_key_option(),
 ) -> None:
     """Run the orchestrator: HTTP API, registry, relay, /metrics."""
     from topkv.service.http_api import OrchestratorServiceConfig, serve_orchestrator
     from topkv.service.httputil import write_ready_file
 
     _logging(log_level)
+    apply_etcd_env(registry, etcd_env(etcd_user, etcd_password_file, etcd_ca, etcd_cert, etcd_key))
     auth = orchestrator_auth(
         token_file,
         worker_token_file,
@@ -114,6 +141,7 @@ def orchestrator_command(
         auth=auth,
         registry=registry,
         topology_file=topology,
+        tls=server_tls(tls_cert, tls_key, tls_ca),
         relay=OrchestratorConfig(
             max_in_flight=max_in_flight,
             queue_size=queue_size,
@@ -182,6 +210,17 @@ def worker_command(
         f"sha256: digest (default: ${CONTROL_TOKEN_FILE_ENV})",
     ),
     insecure_no_auth: bool = insecure_option(),
+    tls_cert: Path | None = tls_cert_option(),
+    tls_key: Path | None = tls_key_option(),
+    tls_ca: Path | None = tls_ca_option(
+        "the CA that an https:// --orchestrator's certificate is verified with (default: the "
+        "system's)"
+    ),
+    etcd_user: str = etcd_user_option(),
+    etcd_password_file: Path | None = etcd_password_file_option(),
+    etcd_ca: Path | None = etcd_ca_option(),
+    etcd_cert: Path | None = etcd_cert_option(),
+    etcd_key: Path | None = etcd_key_option(),
 ) -> None:
     """Run a worker: an engine, transfer endpoints (every medium offered), KV buffers,
     control API, heartbeat."""
@@ -191,6 +230,7 @@ def worker_command(
     _logging(log_level)
     if role not in ("prefill", "decode"):
         raise ConfigError(f"--role must be prefill or decode, not {role!r}")
+    apply_etcd_env(registry, etcd_env(etcd_user, etcd_password_file, etcd_ca, etcd_cert, etcd_key))
     engine_spec = _engine_spec(engine, model_path, demo_model, torch_threads)
     offered = parse_media(media)
     resolve_media(offered, shm=shm)  # exits 2 naming a medium this host lacks
@@ -232,6 +272,7 @@ def worker_command(
             insecure=insecure_no_auth,
             needs_token=not registry,
         ),
+        tls=server_tls(tls_cert, tls_key, tls_ca),
     )
 
     async def main(stop: asyncio.Event) -> None:
@@ -262,6 +303,14 @@ def cluster_up_command(
     model_path: Path | None = typer.Option(None, help="--engine hf: a local HF model directory"),
     demo_model: int | None = typer.Option(None, help="--engine hf: the seeded demo model"),
     insecure_no_auth: bool = insecure_option(),
+    tls: bool = typer.Option(
+        False, "--tls", help="serve HTTPS everywhere, with a throwaway CA made in the run dir"
+    ),
+    etcd_user: str = etcd_user_option(),
+    etcd_password_file: Path | None = etcd_password_file_option(),
+    etcd_ca: Path | None = etcd_ca_option(),
+    etcd_cert: Path | None = etcd_cert_option(),
+    etcd_key: Path | None = etcd_key_option(),
 ) -> None:
     """Start an orchestrator and N + M workers as real processes (Ctrl-C stops them all).
 
@@ -286,6 +335,8 @@ def cluster_up_command(
             raise ConfigError("--force-transport applies to the --smoke run; add --smoke K")
         check_forced_medium(forced, offered)
     engine_spec = _engine_spec(engine, model_path, demo_model, 1 if engine == "hf" else 0)
+    etcd = etcd_env(etcd_user, etcd_password_file, etcd_ca, etcd_cert, etcd_key)
+    check_etcd_env(registry, etcd)
     console = stdout_console()
     cluster = LocalCluster(
         ClusterConfig(
@@ -300,6 +351,8 @@ def cluster_up_command(
             media=offered,
             engine=engine_spec,
             insecure=insecure_no_auth,
+            etcd_args=tuple(etcd_flags(etcd)),
+            tls=tls,
         ),
         run_dir,
     )
@@ -406,12 +459,16 @@ def status_command(
     token_file: Path | None = token_file_option(
         f"the admin token (default: ${TOKEN_FILE_ENV}; `topkv cluster up` writes RUN_DIR/token)"
     ),
+    tls_ca: Path | None = tls_ca_option(
+        "the CA that an https:// orchestrator's certificate is verified with (default: the "
+        "system's; `topkv cluster up --tls` writes RUN_DIR/tls/ca.crt)"
+    ),
 ) -> None:
     """Show the orchestrator's workers and transfers."""
     from topkv.service.status import render_status
 
     url = orchestrator or os.environ.get(ORCHESTRATOR_ENV, f"http://127.0.0.1:{DEFAULT_PORT}")
-    client = OrchestratorClient(url, token=client_token(token_file))
+    client = OrchestratorClient(url, token=client_token(token_file), tls=client_tls(tls_ca))
     workers = client.workers()
     listing = client.transfers(limit)
     if json_output:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import time
 import urllib.error
@@ -10,6 +11,7 @@ from typing import Any
 
 from topkv.service.auth import auth_headers
 from topkv.service.errors import ServiceError, ServiceUnreachable
+from topkv.service.tls import ClientTLS, client_context, tls_failure
 
 
 class ApiError(ServiceError):
@@ -29,15 +31,19 @@ def http_json(
     body: object | None = None,
     timeout_s: float = 10.0,
     token: str | None = None,
+    tls: ClientTLS | None = None,
 ) -> Any:
     """Send ``body`` as JSON (with ``token`` as the bearer token), return the decoded JSON
-    answer (None when empty)."""
+    answer (None when empty). ``tls``: how an ``https://`` server is verified (None: the
+    system's trust store)."""
     data = json.dumps(body).encode() if body is not None else None
     request = urllib.request.Request(url, data=data, method=method, headers=auth_headers(token))
     if data is not None:
         request.add_header("Content-Type", "application/json")
     try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+        with urllib.request.urlopen(
+            request, timeout=timeout_s, context=client_context(tls)
+        ) as response:
             raw = response.read()
     except urllib.error.HTTPError as exc:
         raw = exc.read()
@@ -46,38 +52,58 @@ def http_json(
         except json.JSONDecodeError:
             payload = raw.decode(errors="replace")
         raise ApiError(exc.code, payload, url) from None
-    except (urllib.error.URLError, OSError) as exc:
-        reason = getattr(exc, "reason", exc)
-        raise ServiceUnreachable(f"{url} unreachable: {reason}") from None
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
+        raise _unreachable(url, exc, tls) from None
     return json.loads(raw) if raw else None
 
 
-def http_text(url: str, timeout_s: float = 10.0, token: str | None = None) -> str:
+def http_text(
+    url: str, timeout_s: float = 10.0, token: str | None = None, tls: ClientTLS | None = None
+) -> str:
     request = urllib.request.Request(url, headers=auth_headers(token))
     try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+        with urllib.request.urlopen(
+            request, timeout=timeout_s, context=client_context(tls)
+        ) as response:
             return bytes(response.read()).decode()
     except urllib.error.HTTPError as exc:
         raise ApiError(exc.code, exc.read().decode(errors="replace"), url) from None
-    except (urllib.error.URLError, OSError) as exc:
-        raise ServiceUnreachable(f"{url} unreachable: {getattr(exc, 'reason', exc)}") from None
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
+        raise _unreachable(url, exc, tls) from None
+
+
+def _unreachable(url: str, exc: Exception, tls: ClientTLS | None) -> ServiceUnreachable:
+    """A TLS failure explained (:class:`~topkv.service.tls.TLSFailure`), else unreachable."""
+    return tls_failure(url, exc, tls) or ServiceUnreachable(
+        f"{url} unreachable: {getattr(exc, 'reason', exc)}"
+    )
 
 
 class OrchestratorClient:
     """Typed-enough helpers over the orchestrator's endpoints."""
 
-    def __init__(self, base_url: str, timeout_s: float = 10.0, token: str | None = None) -> None:
-        """``token``: the admin token (None: the orchestrator runs without authentication)."""
+    def __init__(
+        self,
+        base_url: str,
+        timeout_s: float = 10.0,
+        token: str | None = None,
+        tls: ClientTLS | None = None,
+    ) -> None:
+        """``token``: the admin token (None: the orchestrator runs without authentication).
+        ``tls``: how an ``https://`` orchestrator is verified (None: the system's store)."""
         self.base = base_url.rstrip("/")
         self.timeout_s = timeout_s
         self.token = token
+        self.tls = tls
 
     def get(self, path: str) -> Any:
-        return http_json("GET", f"{self.base}{path}", timeout_s=self.timeout_s, token=self.token)
+        url = f"{self.base}{path}"
+        return http_json("GET", url, timeout_s=self.timeout_s, token=self.token, tls=self.tls)
 
     def post(self, path: str, body: object) -> Any:
+        url = f"{self.base}{path}"
         return http_json(
-            "POST", f"{self.base}{path}", body, timeout_s=self.timeout_s, token=self.token
+            "POST", url, body, timeout_s=self.timeout_s, token=self.token, tls=self.tls
         )
 
     def workers(self) -> list[dict[str, Any]]:
@@ -93,7 +119,7 @@ class OrchestratorClient:
         return dict(self.get(f"/v1/requests/{request_id}"))
 
     def metrics(self) -> str:
-        return http_text(f"{self.base}/metrics", self.timeout_s, token=self.token)
+        return http_text(f"{self.base}/metrics", self.timeout_s, token=self.token, tls=self.tls)
 
     def wait_done(self, request_id: int, timeout_s: float, decoded: bool = True) -> dict[str, Any]:
         """Poll until the request is terminal (and, if delivered, checked by decode)."""

@@ -34,6 +34,7 @@ from topkv.service.client import OrchestratorClient
 from topkv.service.cluster_tokens import ClusterTokens, TokenFiles
 from topkv.service.engines import EngineSpec
 from topkv.service.errors import ClusterError, ServiceError
+from topkv.service.tls import ClientTLS, ThrowawayPKI, make_throwaway_pki
 from topkv.service.worker import FAULTS_ENV, SECRET_ENV, WorkerFaults
 from topkv.service.worker_media import (
     check_medium_name,
@@ -43,6 +44,7 @@ from topkv.service.worker_media import (
 )
 
 _PR_SET_PDEATHSIG = 1
+_TLS_FLAGS = ("--tls-cert", "--tls-key", "--tls-ca")
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -221,6 +223,9 @@ class ClusterConfig:
     media: tuple[str, ...] | None = None  # what every worker offers; None: all installed
     engine: EngineSpec = field(default_factory=EngineSpec)
     insecure: bool = False  # no authentication anywhere (--insecure-no-auth), on purpose
+    #: The --etcd-* flags every process gets (user names and file paths, never a password).
+    etcd_args: Sequence[str] = ()
+    tls: bool = False  # HTTPS everywhere, with a throwaway CA made in RUN_DIR/tls (--tls)
 
     def worker_placements(self) -> list[WorkerPlacement]:
         if self.placements is not None:
@@ -243,6 +248,7 @@ class LocalCluster:
         self.secret = secrets.token_hex(32)
         self.tokens = ClusterTokens()
         self.token_files: TokenFiles | None = None
+        self.pki: ThrowawayPKI | None = None
         self.orchestrator_url = ""
         self.orchestrator: ManagedProcess | None = None
         self.workers: dict[str, ManagedProcess] = {}
@@ -288,6 +294,18 @@ class LocalCluster:
             token = files.worker
         return ["--token-file", str(token), "--control-token-file", str(files.control)]
 
+    def _tls_args(self) -> list[str]:
+        """``--tls-*`` for every process (the certificates made once, before any starts)."""
+        if not self.config.tls:
+            return []
+        if self.pki is None:
+            hosts = [self.config.host, *(p.bind_host for p in self.config.worker_placements())]
+            self.pki = make_throwaway_pki(self.run_dir / "tls", hosts)
+        files = (self.pki.cert_file, self.pki.key_file, self.pki.ca_file)
+        return [
+            arg for flag, path in zip(_TLS_FLAGS, files, strict=True) for arg in (flag, str(path))
+        ]
+
     def start(self, wait_s: float = 60.0) -> None:
         cfg = self.config
         try:
@@ -305,6 +323,8 @@ class LocalCluster:
                 "--attempt-timeout",
                 str(cfg.attempt_timeout_s),
                 *self._orchestrator_auth_args(),
+                *self._tls_args(),
+                *cfg.etcd_args,
                 *cfg.extra_orchestrator_args,
             ]
             if cfg.topology is not None:
@@ -359,9 +379,9 @@ class LocalCluster:
             args += engine.cli_args()
         if cfg.media is not None:
             args += ["--media", ",".join(cfg.media)]
-        args += self._worker_auth_args(name)
+        args += self._worker_auth_args(name) + self._tls_args()
         if is_etcd_url(cfg.registry):
-            args += ["--registry", cfg.registry]
+            args += ["--registry", cfg.registry, *cfg.etcd_args]
         else:
             args += ["--orchestrator", self.orchestrator_url]
         env = {SECRET_ENV: self.secret, FAULTS_ENV: ""}
@@ -381,7 +401,8 @@ class LocalCluster:
     def client(self) -> OrchestratorClient:
         if not self.orchestrator_url:
             raise ClusterError("the cluster is not started")
-        return OrchestratorClient(self.orchestrator_url, token=self.admin_token())
+        tls = ClientTLS(self.pki.ca_file) if self.pki is not None else None
+        return OrchestratorClient(self.orchestrator_url, token=self.admin_token(), tls=tls)
 
     def describe(self) -> dict[str, Any]:
         """Where everything runs (what ``topkv cluster up`` prints)."""
@@ -412,6 +433,7 @@ class LocalCluster:
                 if (files := self.token_files) is not None
                 else None
             ),
+            "tls": {"ca_file": str(self.pki.ca_file)} if self.pki is not None else None,
         }
 
     def served_model(self) -> str | None:

@@ -89,6 +89,7 @@ from topkv.service.messages import LayoutModel, PrefillRequest
 from topkv.service.openapi import openapi_document
 from topkv.service.registrations import Registrations
 from topkv.service.remote_executor import RemoteExecutor
+from topkv.service.tls import TLSConfig, client_tls, served_url, server_context
 from topkv.service.worker_media import check_medium_name
 from topkv.topology.model import Cluster, TopologyError
 
@@ -99,7 +100,8 @@ log = logging.getLogger(__name__)
 class OrchestratorServiceConfig:
     """``auth``: the tokens the orchestrator accepts and the admin token its executor sends
     to the workers, or None for no authentication at all (``--insecure-no-auth``); there is
-    no default, so nothing runs open by omission."""
+    no default, so nothing runs open by omission. ``tls``: HTTPS for its API and how its
+    executor verifies the workers (None: plain HTTP, the system's trust store)."""
 
     auth: ServerAuth | Required | None = REQUIRED
     registry: str = "memory"
@@ -107,6 +109,7 @@ class OrchestratorServiceConfig:
     relay: OrchestratorConfig = field(default_factory=OrchestratorConfig)
     expire_interval_s: float = 0.25
     decode_checks_kept: int = 10_000
+    tls: TLSConfig | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.auth, Required):
@@ -164,6 +167,7 @@ class OrchestratorService:
         self.executor = RemoteExecutor(
             call_timeout_s=config.relay.executor_call_timeout_s,
             token=auth.client_token if auth is not None else None,
+            tls=client_tls(config.tls),
         )
         self.orchestrator = Orchestrator(
             self.registry, self.executor, config=config.relay, pair_view=self.pairs
@@ -553,8 +557,8 @@ async def serve_orchestrator(
     runner = web.AppRunner(service.app(), access_log=None, handle_signals=False)
     try:
         await runner.setup()
-        await web.TCPSite(runner, host, port).start()
-        url = site_url(runner, host)
+        await web.TCPSite(runner, host, port, ssl_context=server_context(config.tls)).start()
+        url = served_url(site_url(runner, host), config.tls)
         log.info(
             "orchestrator listening on %s (registry %s)", url, redact_registry_url(config.registry)
         )

@@ -20,6 +20,7 @@ from topkv.relay.workers import WorkerInfo
 from topkv.service.auth import auth_headers
 from topkv.service.errors import ServiceError, ServiceUnreachable
 from topkv.service.messages import RegisterRequest
+from topkv.service.tls import ClientTLS, client_context, tls_failure
 
 _TIMEOUT = aiohttp.ClientTimeout(total=5.0)
 
@@ -39,16 +40,21 @@ class Registrar(Protocol):
 class HttpRegistrar:
     """Registers through an orchestrator's ``/v1/workers`` endpoints."""
 
-    def __init__(self, orchestrator_url: str, token: str | None = None) -> None:
-        """``token``: this worker's worker token (None: the orchestrator runs open)."""
+    def __init__(
+        self, orchestrator_url: str, token: str | None = None, tls: ClientTLS | None = None
+    ) -> None:
+        """``token``: this worker's worker token (None: the orchestrator runs open).
+        ``tls``: how an ``https://`` orchestrator is verified (None: the system's store)."""
         self._base = orchestrator_url.rstrip("/")
+        self._tls = tls
         self._headers = {"Content-Type": "application/json", **auth_headers(token)}
         self._session: aiohttp.ClientSession | None = None
         self._worker_id = ""
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=_TIMEOUT)
+            connector = aiohttp.TCPConnector(ssl=client_context(self._tls) or True)
+            self._session = aiohttp.ClientSession(timeout=_TIMEOUT, connector=connector)
         return self._session
 
     async def _call(self, method: str, path: str, body: str | None = None) -> int:
@@ -70,6 +76,9 @@ class HttpRegistrar:
                     raise ServiceError(f"{method} {url} -> {response.status}: {text[:300]}")
                 return response.status
         except (TimeoutError, aiohttp.ClientError) as exc:
+            failure = tls_failure(url, exc, self._tls)
+            if failure is not None:
+                raise failure from None
             raise ServiceUnreachable(f"orchestrator at {self._base} unreachable: {exc}") from exc
 
     async def register(self, info: WorkerInfo, ttl_s: float) -> None:
@@ -125,13 +134,18 @@ class DirectRegistrar:
         await asyncio.to_thread(self._registry.close)
 
 
-def open_registrar(orchestrator_url: str, registry_url: str, token: str | None = None) -> Registrar:
+def open_registrar(
+    orchestrator_url: str,
+    registry_url: str,
+    token: str | None = None,
+    tls: ClientTLS | None = None,
+) -> Registrar:
     """Direct registration for ``etcd://`` registries, else through the orchestrator (with
-    ``token``, this worker's worker token)."""
+    ``token``, this worker's worker token, verifying an ``https://`` one with ``tls``)."""
     if registry_url and is_etcd_url(registry_url):
         return DirectRegistrar(open_registry(registry_url))
     if orchestrator_url:
-        return HttpRegistrar(orchestrator_url, token)
+        return HttpRegistrar(orchestrator_url, token, tls)
     raise ServiceError(
         f"registry {registry_url!r} lives inside the orchestrator: give --orchestrator URL"
     )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
@@ -18,6 +19,9 @@ from topkv.service.api_models import HeartbeatAck, WorkerView
 from topkv.service.auth import Access, Route, ServerAuth, forbidden, principal_of, secured_app
 from topkv.service.httputil import error_response, model_response, read_model, site_url
 from topkv.service.messages import RegisterRequest
+
+if TYPE_CHECKING:
+    from topkv.service.tls import TLSConfig
 
 
 class Registrations:
@@ -130,13 +134,16 @@ class RegistrationServer:
         self._runner: web.AppRunner | None = None
         self._expire: asyncio.Task[None] | None = None
 
-    async def start(self) -> str:
+    async def start(self, tls: TLSConfig | None = None) -> str:
+        """Serve on a free loopback port (HTTPS with ``tls``); the URL workers register at."""
+        from topkv.service.tls import served_url, server_context
+
         app = secured_app(self._registrations.routes(), self.auth)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", 0).start()
+        await web.TCPSite(self._runner, "127.0.0.1", 0, ssl_context=server_context(tls)).start()
         self._expire = asyncio.create_task(self._expire_loop())
-        return site_url(self._runner, "127.0.0.1")
+        return served_url(site_url(self._runner, "127.0.0.1"), tls)
 
     async def close(self) -> None:
         if self._expire is not None:

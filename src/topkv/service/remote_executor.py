@@ -53,6 +53,7 @@ from topkv.service.messages import (
     SendResult,
     WaitRequest,
 )
+from topkv.service.tls import ClientTLS, client_context, tls_failure
 from topkv.service.worker_media import check_medium
 from topkv.transport.base import KVLayout
 from topkv.transport.media import DEFAULT_MEDIA
@@ -95,11 +96,14 @@ class RemoteExecutor:
         max_connections: int = 512,
         pacing: Pacing | None = None,
         token: str | None = None,
+        tls: ClientTLS | None = None,
     ) -> None:
         """``pacing``: pace each attempt's send to an emulated path (an orchestrator whose
         topology is emulated on one host, e.g. ``topkv demo``); None sends at full speed.
-        ``token``: the admin token the workers' control APIs accept (None: they run open)."""
+        ``token``: the admin token the workers' control APIs accept (None: they run open).
+        ``tls``: how ``https://`` workers are verified (None: the system's trust store)."""
         self.token = token
+        self.tls = tls
         self.media = dict(DEFAULT_MEDIA if media is None else media)
         self.pacing = pacing
         self.call_timeout_s = call_timeout_s
@@ -111,7 +115,9 @@ class RemoteExecutor:
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            connector = aiohttp.TCPConnector(limit=self._max_connections)
+            connector = aiohttp.TCPConnector(
+                limit=self._max_connections, ssl=client_context(self.tls) or True
+            )
             self._session = aiohttp.ClientSession(
                 connector=connector, headers=auth_headers(self.token)
             )
@@ -190,7 +196,9 @@ class RemoteExecutor:
                 text = await response.text()
                 status = response.status
         except (aiohttp.ClientConnectionError, ConnectionError) as exc:
-            raise AttemptFailed(unreachable, f"{worker.worker_id} unreachable: {exc}") from exc
+            tls = tls_failure(url, exc, self.tls, user_url=False)
+            why = f"{worker.worker_id}: {tls}" if tls else f"{worker.worker_id} unreachable: {exc}"
+            raise AttemptFailed(unreachable, why) from exc
         except TimeoutError as exc:
             raise AttemptFailed(
                 FailureKind.TIMEOUT, f"{worker.worker_id} did not answer {path} in {timeout_s} s"

@@ -86,6 +86,7 @@ from topkv.service.messages import (
     WaitRequest,
 )
 from topkv.service.registrar import Registrar, open_registrar
+from topkv.service.tls import client_tls, served_url, server_context
 from topkv.service.worker_config import FAULTS_ENV, SECRET_ENV, WorkerConfig, WorkerFaults
 from topkv.service.worker_inbox import Inbox
 from topkv.service.worker_media import (
@@ -187,8 +188,9 @@ class WorkerService:
             self.app(), access_log=None, handle_signals=False, shutdown_timeout=5.0
         )
         await self._runner.setup()
-        await web.TCPSite(self._runner, cfg.bind_host, cfg.control_port).start()
-        control_url = site_url(self._runner, advertise)
+        tls = server_context(cfg.tls)
+        await web.TCPSite(self._runner, cfg.bind_host, cfg.control_port, ssl_context=tls).start()
+        control_url = served_url(site_url(self._runner, advertise), cfg.tls)
         capabilities = cfg.capabilities.model_copy(
             update={"tcp": "tcp" in media, "shm": "shm" in media, "media": media}
         )
@@ -207,7 +209,8 @@ class WorkerService:
         if self._registrar is None:
             auth = cfg.server_auth
             token = auth.client_token if auth is not None else None
-            self._registrar = open_registrar(cfg.orchestrator_url, cfg.registry_url, token)
+            verify = client_tls(cfg.tls)
+            self._registrar = open_registrar(cfg.orchestrator_url, cfg.registry_url, token, verify)
         await self._registrar.register(self.info, cfg.ttl_s)
         self._heartbeat_task = asyncio.create_task(self._heartbeat_loop())
         if cfg.ready_file is not None:

@@ -11,6 +11,7 @@ from topkv.errors import ConfigError
 from topkv.relay.workers import Role, WorkerCapabilities
 from topkv.service.auth import REQUIRED, Required, ServerAuth
 from topkv.service.engines import EngineSpec
+from topkv.service.tls import TLSConfig
 
 SECRET_ENV = "TOPKV_SECRET"
 FAULTS_ENV = "TOPKV_FAULTS"
@@ -101,6 +102,9 @@ class WorkerConfig:
     #: and its own worker token (to register over HTTP); None: no authentication, on
     #: purpose (``--insecure-no-auth``). No default: nothing runs open by omission.
     auth: ServerAuth | Required | None = REQUIRED
+    #: HTTPS for its control API (``--tls-cert``/``--tls-key``) and the CA it verifies the
+    #: orchestrator with (``--tls-ca``); None: plain HTTP, the system's trust store.
+    tls: TLSConfig | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.auth, Required):
