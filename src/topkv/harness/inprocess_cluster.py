@@ -20,45 +20,26 @@ import secrets
 from dataclasses import dataclass, field
 
 from topkv.errors import TopKVError
-from topkv.relay.registry import MemoryRegistry, Registration, WorkerRegistry
+from topkv.relay.registry import MemoryRegistry, WorkerRegistry
 from topkv.relay.workers import Role, WorkerInfo
 from topkv.service.auth import Credentials, ServerAuth, new_token
 from topkv.service.engines import EngineSpec
 from topkv.service.errors import ServiceError
 from topkv.service.kvstore import HeldKV
+from topkv.service.registrar import DirectRegistrar
 from topkv.service.worker import WorkerConfig, WorkerFaults, WorkerService
 
 __all__ = ["InProcessCluster", "SharedRegistrar", "WorkerSpec"]
 
 
-class SharedRegistrar:
-    """A :class:`~topkv.service.registrar.Registrar` into a registry another party owns.
-
-    Registers on the calling (event-loop) thread, so the orchestrator's view sees the
-    change at once; ``close`` leaves the registry open (the cluster owns it) and
-    :meth:`forget` removes the worker now.
-    """
+class SharedRegistrar(DirectRegistrar):
+    """A :class:`~topkv.service.registrar.DirectRegistrar` into a registry another party
+    owns: it registers on the calling (event-loop) thread, so the orchestrator's view sees
+    the change at once; ``close`` leaves the registry open (the cluster owns it) and
+    :meth:`forget` removes the worker now."""
 
     def __init__(self, registry: WorkerRegistry) -> None:
-        self._registry = registry
-        self._registration: Registration | None = None
-
-    async def register(self, info: WorkerInfo, ttl_s: float) -> None:
-        try:
-            self._registration = self._registry.register(info, ttl_s)
-        except TopKVError as exc:
-            raise ServiceError(f"registration failed: {exc}") from exc
-
-    async def heartbeat(self) -> None:
-        if self._registration is None:
-            raise ServiceError("not registered")
-        try:
-            self._registration.heartbeat()
-        except TopKVError as exc:
-            raise ServiceError(str(exc)) from exc
-
-    async def deregister(self) -> None:
-        self.forget()
+        super().__init__(registry, in_thread=False, owns_registry=False)
 
     def forget(self) -> None:
         """Deregister now (idempotent)."""
@@ -66,9 +47,6 @@ class SharedRegistrar:
         if registration is not None:
             with contextlib.suppress(TopKVError):
                 registration.deregister()
-
-    async def close(self) -> None:
-        return None
 
 
 @dataclass(frozen=True)

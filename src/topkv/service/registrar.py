@@ -9,7 +9,8 @@ holds its own lease.
 from __future__ import annotations
 
 import asyncio
-from typing import Protocol
+from collections.abc import Callable
+from typing import Protocol, TypeVar
 
 import aiohttp
 
@@ -23,6 +24,9 @@ from topkv.service.messages import RegisterRequest
 from topkv.service.tls import ClientTLS, client_context, tls_failure
 
 _TIMEOUT = aiohttp.ClientTimeout(total=5.0)
+
+
+T = TypeVar("T")
 
 
 class Registrar(Protocol):
@@ -102,23 +106,37 @@ class HttpRegistrar:
 
 
 class DirectRegistrar:
-    """Registers in a registry backend (etcd) from this process; calls run in a thread."""
+    """Registers in a registry backend from this process.
 
-    def __init__(self, registry: WorkerRegistry) -> None:
+    ``in_thread``: backend calls run in a thread (etcd: network round trips); false runs
+    them on the calling event-loop thread (an in-memory registry shared with an
+    orchestrator in this loop, whose view then sees the change at once). ``owns_registry``:
+    :meth:`close` closes the registry; false leaves it open for the party that owns it.
+    """
+
+    def __init__(
+        self, registry: WorkerRegistry, *, in_thread: bool = True, owns_registry: bool = True
+    ) -> None:
         self._registry = registry
         self._registration: Registration | None = None
+        self._in_thread = in_thread
+        self._owns_registry = owns_registry
+
+    async def _run(self, call: Callable[[], T]) -> T:
+        return await asyncio.to_thread(call) if self._in_thread else call()
 
     async def register(self, info: WorkerInfo, ttl_s: float) -> None:
         try:
-            self._registration = await asyncio.to_thread(self._registry.register, info, ttl_s)
+            self._registration = await self._run(lambda: self._registry.register(info, ttl_s))
         except TopKVError as exc:
             raise ServiceError(f"registration failed: {exc}") from exc
 
     async def heartbeat(self) -> None:
-        if self._registration is None:
+        registration = self._registration
+        if registration is None:
             raise ServiceError("not registered")
         try:
-            await asyncio.to_thread(self._registration.heartbeat)
+            await self._run(registration.heartbeat)
         except TopKVError as exc:
             raise ServiceError(str(exc)) from exc
 
@@ -126,12 +144,13 @@ class DirectRegistrar:
         registration, self._registration = self._registration, None
         if registration is not None:
             try:
-                await asyncio.to_thread(registration.deregister)
+                await self._run(registration.deregister)
             except TopKVError as exc:
                 raise ServiceError(str(exc)) from exc
 
     async def close(self) -> None:
-        await asyncio.to_thread(self._registry.close)
+        if self._owns_registry:
+            await asyncio.to_thread(self._registry.close)
 
 
 def open_registrar(

@@ -29,9 +29,10 @@ import json
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import aiohttp
+from pydantic import BaseModel
 
 from topkv.errors import ConfigError
 from topkv.relay.executor import AttemptFailed, AttemptPlan, Delivery
@@ -57,6 +58,8 @@ from topkv.service.tls import ClientTLS, client_context, tls_failure
 from topkv.service.worker_media import check_medium
 from topkv.transport.base import KVLayout
 from topkv.transport.media import DEFAULT_MEDIA
+
+M = TypeVar("M", bound=BaseModel)
 
 #: Extra seconds an HTTP call may take beyond the attempt's own timeout.
 _HTTP_MARGIN_S = 5.0
@@ -244,19 +247,33 @@ class RemoteExecutor:
             )
         return held.digest
 
+    async def _engine_call(
+        self,
+        worker: WorkerInfo,
+        path: str,
+        body: BaseModel,
+        answer: type[M],
+        min_timeout_s: float,
+        failure: FailureKind,
+    ) -> M:
+        """POST ``body`` to one of ``worker``'s engine endpoints (prefill, decode, generate:
+        long calls; a 400 is the request's fault, a :class:`ConfigError`)."""
+        payload = await self._call(
+            worker,
+            "POST",
+            path,
+            body.model_dump_json(),
+            max(self.call_timeout_s, min_timeout_s),
+            failure,
+            refusal=True,
+        )
+        return answer.model_validate(payload)
+
     async def prefill(self, source: WorkerInfo, request_id: int, body: PrefillRequest) -> KVSummary:
         """Ask a prefill worker to produce request ``request_id``'s KV with its engine (with
         ``body.wait`` false the answer comes at once, while prefill runs)."""
-        payload = await self._call(
-            source,
-            "POST",
-            f"/v1/kv/{request_id}/prefill",
-            body.model_dump_json(),
-            max(self.call_timeout_s, 60.0),
-            FailureKind.SOURCE_LOST,
-            refusal=True,
-        )
-        held = KVSummary.model_validate(payload)
+        path = f"/v1/kv/{request_id}/prefill"
+        held = await self._engine_call(source, path, body, KVSummary, 60.0, FailureKind.SOURCE_LOST)
         self._note(held)
         return held
 
@@ -265,29 +282,16 @@ class RemoteExecutor:
     ) -> DecodeResult:
         """Have ``worker`` generate ``max_new_tokens`` tokens from the KV it holds."""
         body = DecodeRequest(max_new_tokens=max_new_tokens, first_token=first_token)
-        payload = await self._call(
-            worker,
-            "POST",
-            f"/v1/kv/{request_id}/decode",
-            body.model_dump_json(),
-            max(self.call_timeout_s, 120.0),
-            FailureKind.DESTINATION_DIED,
-            refusal=True,
+        path = f"/v1/kv/{request_id}/decode"
+        return await self._engine_call(
+            worker, path, body, DecodeResult, 120.0, FailureKind.DESTINATION_DIED
         )
-        return DecodeResult.model_validate(payload)
 
     async def generate(self, worker: WorkerInfo, body: GenerateRequest) -> GenerateResult:
         """Have ``worker`` generate from a prompt alone (the single-process reference)."""
-        payload = await self._call(
-            worker,
-            "POST",
-            "/v1/generate",
-            body.model_dump_json(),
-            max(self.call_timeout_s, 120.0),
-            FailureKind.INTERNAL,
-            refusal=True,
+        return await self._engine_call(
+            worker, "/v1/generate", body, GenerateResult, 120.0, FailureKind.INTERNAL
         )
-        return GenerateResult.model_validate(payload)
 
     async def held_digest(self, worker: WorkerInfo, request_id: int) -> int:
         """Digest of the KV ``worker`` holds for ``request_id`` (computed from its bytes)."""
