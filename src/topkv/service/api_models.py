@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from topkv.errors import ConfigError
 from topkv.kv.catalog import get_model
 from topkv.relay.workers import WorkerInfo
-from topkv.service.messages import MAX_PROMPT_TOKENS, LayoutModel
+from topkv.service.messages import MAX_MEDIUM_CHARS, MAX_PROMPT_TOKENS, LayoutModel, TokenId
 
 
 class SubmitRequest(BaseModel):
@@ -34,22 +34,24 @@ class SubmitRequest(BaseModel):
     dtype: Literal["fp8", "fp16", "bf16", "fp32"] = "fp16"
     layout: LayoutModel | None = None
     source: str | None = Field(
-        default=None, description="prefill worker id; omit to pick one round-robin"
+        default=None, max_length=128, description="prefill worker id; omit to pick one round-robin"
     )
     prefill: bool = Field(
         default=True,
         description="ask the source to produce the KV first (synthetic stand-in for a "
         "model's prefill); false when the source already holds it",
     )
-    transport: str | None = Field(default=None, description="manual transport override")
+    transport: str | None = Field(
+        default=None, max_length=64, description="manual transport override"
+    )
     medium: str | None = Field(
         default=None,
         min_length=1,
-        max_length=64,
+        max_length=MAX_MEDIUM_CHARS,
         description="force the medium that moves the bytes (tcp, shm, nixl, mooncake, cuda, "
         "emulated-<mode>); both workers must offer it",
     )
-    prompt: list[int] | None = Field(default=None, min_length=1, max_length=MAX_PROMPT_TOKENS)
+    prompt: list[TokenId] | None = Field(default=None, min_length=1, max_length=MAX_PROMPT_TOKENS)
     prompt_seed: int | None = Field(default=None, ge=0, lt=2**63)
     new_tokens: int = Field(
         default=0, ge=0, le=4096, description="tokens the decode worker generates (prompts)"
@@ -94,14 +96,20 @@ class SubmitRequest(BaseModel):
             heads, dim, latent = 1, spec.kv_lora_rank + spec.qk_rope_head_dim, True
         else:
             heads, dim, latent = spec.num_kv_heads, spec.head_dim, False
-        return LayoutModel(
-            num_layers=spec.num_layers,
-            seq_len=self.prompt_tokens,
-            kv_heads=heads,
-            head_dim=dim,
-            dtype=self.dtype,
-            latent=latent,
-        )
+        try:
+            return LayoutModel(
+                num_layers=spec.num_layers,
+                seq_len=self.prompt_tokens,
+                kv_heads=heads,
+                head_dim=dim,
+                dtype=self.dtype,
+                latent=latent,
+            )
+        except ValidationError as exc:  # e.g. a KV cache over the per-request limit: a 400
+            problems = "; ".join(e["msg"] for e in exc.errors(include_url=False))
+            raise ConfigError(
+                f"model {spec.name!r} with {self.prompt_tokens} prompt tokens: {problems}"
+            ) from None
 
 
 class AttemptView(BaseModel):

@@ -1,16 +1,17 @@
 """JSON bodies exchanged between the orchestrator, the remote executor and workers.
 
 Every body is a pydantic model so both sides validate what they read from the network and
-the OpenAPI schema is generated from the same definitions.
+the OpenAPI schema is generated from the same definitions. Every *request* body forbids
+unknown fields and bounds its numbers, strings and lists (hostile input: docs/security.md).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from topkv.relay.workers import WorkerInfo
+from topkv.relay.workers import WorkerCapabilities, WorkerInfo
 from topkv.transport.base import DTYPE_SIZES, KVLayout
 
 #: Largest KV cache a single request may ask a worker to hold (bounded allocations).
@@ -75,6 +76,20 @@ class ErrorResponse(BaseModel):
 
 #: Longest prompt (token ids) one prefill request may carry.
 MAX_PROMPT_TOKENS = 1 << 20
+#: A token id in a request (each engine checks it against its own vocabulary).
+TokenId = Annotated[int, Field(ge=0, lt=2**31)]
+#: Longest medium name (tcp, shm, nixl, mooncake, cuda, emulated-<mode>).
+MAX_MEDIUM_CHARS = 64
+
+
+def _check_prompt(prompt: object, prompt_seed: int | None, prompt_tokens: int | None) -> None:
+    """ValueError unless a prompt is given at most one way, ``prompt_seed`` with its length."""
+    if prompt is not None and prompt_seed is not None:
+        raise ValueError("give 'prompt' (token ids) or 'prompt_seed', not both")
+    if prompt_seed is not None and prompt_tokens is None:
+        raise ValueError("'prompt_seed' needs 'prompt_tokens' (the prompt's length)")
+    if prompt_tokens is not None and prompt_seed is None:
+        raise ValueError("'prompt_tokens' goes with 'prompt_seed'")
 
 
 class PrefillRequest(BaseModel):
@@ -93,19 +108,14 @@ class PrefillRequest(BaseModel):
 
     model_id: str = Field(default="", max_length=200)
     layout: LayoutModel | None = None
-    prompt: list[int] | None = Field(default=None, min_length=1, max_length=MAX_PROMPT_TOKENS)
+    prompt: list[TokenId] | None = Field(default=None, min_length=1, max_length=MAX_PROMPT_TOKENS)
     prompt_seed: int | None = Field(default=None, ge=0, lt=2**63)
     prompt_tokens: int | None = Field(default=None, ge=1, le=MAX_PROMPT_TOKENS)
     wait: bool = True
 
     @model_validator(mode="after")
     def _one_input(self) -> PrefillRequest:
-        if self.prompt is not None and self.prompt_seed is not None:
-            raise ValueError("give 'prompt' (token ids) or 'prompt_seed', not both")
-        if self.prompt_seed is not None and self.prompt_tokens is None:
-            raise ValueError("'prompt_seed' needs 'prompt_tokens' (the prompt's length)")
-        if self.prompt_tokens is not None and self.prompt_seed is None:
-            raise ValueError("'prompt_tokens' goes with 'prompt_seed'")
+        _check_prompt(self.prompt, self.prompt_seed, self.prompt_tokens)
         if self.has_prompt and self.layout is not None:
             raise ValueError("a prompt's KV layout comes from the worker's model; omit 'layout'")
         if not self.has_prompt and (self.layout is None or not self.model_id):
@@ -176,6 +186,7 @@ class DecodeRequest(BaseModel):
     first_token: int | None = Field(
         default=None,
         ge=0,
+        lt=2**31,
         description="prefill's token; omit when this worker ran the prefill itself",
     )
 
@@ -197,10 +208,17 @@ class GenerateRequest(BaseModel):
     the single-process reference a disaggregated run's tokens are compared with."""
 
     model_config = ConfigDict(extra="forbid")
-    prompt: list[int] | None = Field(default=None, min_length=1, max_length=MAX_PROMPT_TOKENS)
+    prompt: list[TokenId] | None = Field(default=None, min_length=1, max_length=MAX_PROMPT_TOKENS)
     prompt_seed: int | None = Field(default=None, ge=0, lt=2**63)
     prompt_tokens: int | None = Field(default=None, ge=1, le=MAX_PROMPT_TOKENS)
     max_new_tokens: int = Field(ge=1, le=4096)
+
+    @model_validator(mode="after")
+    def _a_prompt(self) -> GenerateRequest:
+        _check_prompt(self.prompt, self.prompt_seed, self.prompt_tokens)
+        if self.prompt is None and self.prompt_seed is None:
+            raise ValueError("give a prompt: 'prompt' (token ids) or 'prompt_seed'")
+        return self
 
     def prefill_request(self) -> PrefillRequest:
         return PrefillRequest(
@@ -223,7 +241,7 @@ class ReceiveRequest(BaseModel):
     request_id: int = Field(ge=0, lt=2**63)
     model_id: str = Field(min_length=1, max_length=200)
     layout: LayoutModel
-    medium: str = Field(min_length=1)
+    medium: str = Field(min_length=1, max_length=MAX_MEDIUM_CHARS)
     keep: bool = Field(
         default=True,
         description="false: drain the copy (verify, timestamp, release; a measurement)",
@@ -248,8 +266,10 @@ class SendRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     request_id: int = Field(ge=0, lt=2**63)
-    destination: str = Field(min_length=1, description="sink address from /v1/receive")
-    medium: str = Field(min_length=1)
+    destination: str = Field(
+        min_length=1, max_length=2048, description="sink address from /v1/receive"
+    )
+    medium: str = Field(min_length=1, max_length=MAX_MEDIUM_CHARS)
     timeout_s: float = Field(gt=0, le=3600)
     transfer_id: int | None = Field(
         default=None,
@@ -308,6 +328,37 @@ class Released(BaseModel):
 # -- worker registration through the orchestrator --------------------------------------------
 
 
+Text = Annotated[str, Field(max_length=256)]
+
+
+class RegisteredCapabilities(WorkerCapabilities):
+    """:class:`WorkerCapabilities` as a registration may give them: no unknown field, at most
+    32 media names."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    media: tuple[Annotated[str, Field(min_length=1, max_length=MAX_MEDIUM_CHARS)], ...] = Field(
+        default=(), max_length=32
+    )
+
+
+class RegisteredWorker(WorkerInfo):
+    """The bounds a worker record registered over HTTP must keep (checked, then the record is
+    kept as the :class:`WorkerInfo` it is). :class:`WorkerInfo` itself stays open to fields it
+    does not know: registries hold records that newer workers may have written."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    node: str = Field(min_length=1, max_length=256)
+    host_id: Text = ""
+    gpus: tuple[Annotated[int, Field(ge=0, lt=2**31)], ...] = Field(default=(), max_length=1024)
+    nvlink_domain: Text | None = None
+    capabilities: RegisteredCapabilities = RegisteredCapabilities()
+    capacity: int = Field(default=8, ge=0, le=1_000_000)
+    address: str = Field(default="", max_length=512)
+    control_url: str = Field(default="", max_length=2048)
+
+
 class RegisterRequest(BaseModel):
     """A worker registering with an orchestrator that keeps an embedded registry."""
 
@@ -315,3 +366,11 @@ class RegisterRequest(BaseModel):
 
     worker: WorkerInfo
     ttl_s: float = Field(default=10.0, gt=0, le=3600)
+
+    @field_validator("worker", mode="before")
+    @classmethod
+    def _bounded(cls, value: object) -> object:
+        RegisteredWorker.model_validate(
+            value.model_dump() if isinstance(value, WorkerInfo) else value
+        )
+        return value
