@@ -79,6 +79,8 @@ from topkv.service.auth import (
     warn_insecure,
 )
 from topkv.service.httputil import (
+    MAX_BODY_BYTES,
+    count_param,
     error_middleware,
     error_response,
     int_param,
@@ -87,7 +89,7 @@ from topkv.service.httputil import (
 )
 from topkv.service.messages import LayoutModel, PrefillRequest
 from topkv.service.openapi import openapi_document
-from topkv.service.registrations import Registrations
+from topkv.service.registrations import RegistrationLimits, Registrations
 from topkv.service.remote_executor import RemoteExecutor
 from topkv.service.tls import TLSConfig, client_tls, served_url, server_context
 from topkv.service.worker_media import check_medium_name
@@ -109,9 +111,15 @@ class OrchestratorServiceConfig:
     relay: OrchestratorConfig = field(default_factory=OrchestratorConfig)
     expire_interval_s: float = 0.25
     decode_checks_kept: int = 10_000
+    #: Largest request body read (bytes); a larger one gets 413 unread (docs/security.md).
+    max_body_bytes: int = MAX_BODY_BYTES
+    #: How fast one worker token may register, and how many worker ids it may hold.
+    registration_limits: RegistrationLimits = field(default_factory=RegistrationLimits)
     tls: TLSConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.max_body_bytes < 1024:
+            raise ConfigError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
         if isinstance(self.auth, Required):
             raise ConfigError(
                 "the orchestrator needs auth=ServerAuth(...) (tokens), or auth=None to run "
@@ -178,7 +186,7 @@ class OrchestratorService:
             ["result"],
             registry=self.orchestrator.metrics.registry,
         )
-        self._registrations = Registrations(self.registry)
+        self._registrations = Registrations(self.registry, config.registration_limits)
         self._checks: OrderedDict[int, DecodeCheck] = OrderedDict()
         self._generate: OrderedDict[int, int] = OrderedDict()  # request -> new_tokens
         self._ids = itertools.count(1)
@@ -308,7 +316,12 @@ class OrchestratorService:
             Route("GET", "/metrics", self.metrics, Access.METRICS),
             Route("GET", "/openapi.json", self.openapi, Access.PUBLIC),
         ]
-        return secured_app(routes, self.config.server_auth, middlewares=[_error_middleware])
+        return secured_app(
+            routes,
+            self.config.server_auth,
+            middlewares=[_error_middleware],
+            client_max_size=self.config.max_body_bytes,
+        )
 
     async def submit(self, request: web.Request) -> web.Response:
         body = await read_model(request, SubmitRequest)
@@ -396,10 +409,8 @@ class OrchestratorService:
             return error_response(
                 400, "bad_request", f"state {state_text!r} is not one of: {states}"
             )
-        limit_text = request.query.get("limit", "100")
-        if not limit_text.isdigit():
-            return error_response(400, "bad_request", f"limit {limit_text!r} is not a count")
-        records = self.orchestrator.query(state, request.query.get("worker"), int(limit_text))
+        limit = count_param(request, "limit", 100, 2**31)
+        records = self.orchestrator.query(state, request.query.get("worker"), limit)
         status = self.orchestrator.status()
         listing = TransferList(
             counts=self.orchestrator.transfers.counts(),
