@@ -556,14 +556,19 @@ class WorkerService:
         kv = self.store.get(body.request_id)
         if kv.error is not None:
             kv.check_whole()  # raises PrefillFailed: the source lost this KV
-        source = self._source(body.medium)
-        if body.link is not None:
-            source = paced(source, body.link)
         transfer_id = body.request_id if body.transfer_id is None else body.transfer_id
         descriptor = TransferDescriptor(transfer_id, kv.model_id, kv.layout)
         stamps = SendStamps()
-        started = time.perf_counter()
-        out = await asyncio.to_thread(source.open, descriptor, body.destination)
+        try:
+            source = self._source(body.medium)
+            if body.link is not None:
+                source = paced(source, body.link)
+            started = time.perf_counter()
+            out = await asyncio.to_thread(source.open, descriptor, body.destination)
+        except TransportError as exc:  # a plain one: no medium or address of ours (400)
+            if type(exc) is not TransportError:
+                raise  # the transport's own failure (a peer gone, an engine down): 502
+            return error_response(400, "transport", str(exc), "TransportError")
         self._outgoing[transfer_id] = out
         try:
             await send_scheduled(
@@ -620,7 +625,10 @@ class WorkerService:
         return model_response(Released(request_id=request_id, released=out is not None))
 
     def _source(self, medium: str) -> TransferSource:
-        carrier = sink_medium(medium)
+        try:
+            carrier = sink_medium(medium)
+        except TransportUnavailable as exc:  # no such medium: the request's fault
+            raise TransportError(str(exc)) from None
         if carrier not in self.offer.media:
             raise TransportError(
                 f"worker {self.worker_id} does not offer {carrier} (it offers "
