@@ -5,6 +5,17 @@ the snapshots in :mod:`topkv.policy.view` and get a decision back.
 """
 
 from topkv.policy.admission import Admission, AdmissionLimits, admit
+from topkv.policy.adp import (
+    DEFAULT_ADP,
+    AdaptiveDecoderPool,
+    ADPConfig,
+    ConversionPlan,
+    RushDetector,
+    Signals,
+    TokenVelocity,
+    WorkerView,
+    plan_conversions,
+)
 from topkv.policy.bandwidth import (
     BandwidthEstimator,
     BandwidthReader,
@@ -36,7 +47,10 @@ from topkv.policy.view import (
 )
 
 __all__ = [
+    "DEFAULT_ADP",
     "NO_LOAD",
+    "ADPConfig",
+    "AdaptiveDecoderPool",
     "Admission",
     "AdmissionLimits",
     "BandwidthEstimator",
@@ -44,6 +58,7 @@ __all__ = [
     "BandwidthReading",
     "CandidateEstimate",
     "Clock",
+    "ConversionPlan",
     "CostPolicy",
     "DecodeWorkerView",
     "Endpoint",
@@ -61,13 +76,18 @@ __all__ = [
     "RouteDecision",
     "RouteScore",
     "RoutingPolicy",
+    "RushDetector",
     "Selection",
+    "Signals",
+    "TokenVelocity",
     "TransferRequest",
     "TransportSelector",
     "UniformPolicy",
+    "WorkerView",
     "admit",
     "estimate_path",
     "next_after_failure",
     "pair_view_from_facts",
+    "plan_conversions",
     "policy_from_name",
 ]

@@ -1,0 +1,430 @@
+"""Adaptive Decoder Pool (paper §3.5): decode workers turn into prefill workers in a rush.
+
+One decision logic for the simulator and the live orchestrator. Pure and clock-injected:
+the caller feeds observations (prompt tokens arriving, first tokens out, the prefill
+queue depth) and a snapshot of its workers, and gets back a :class:`ConversionPlan`;
+nothing here reads a clock of its own, sleeps or does I/O.
+
+Pieces:
+
+* :class:`TokenVelocity`: an exponential moving average of the token arrival rate,
+  ``r <- r * exp(-dt / window) + tokens / window``, bias-corrected for the time since it
+  started (as Adam corrects its moments) so a fresh estimator reads the true rate, not
+  a rate ramping up from zero. A constant arrival rate reads as that rate.
+* :class:`RushDetector`: three signals, each against its own threshold:
+
+  1. growth rate of the prefill queue depth (requests/s over a window);
+  2. velocity spike: a fast token-velocity EMA over a slow one (a ratio);
+  3. P99 TTFT of the first tokens seen in a window over the TTFT target.
+
+  A rush *starts* when at least ``min_signals`` (2) of the 3 pass together. It *ends*
+  only once every signal has stayed below its threshold for ``hold_s`` without a break
+  (a Schmitt trigger: 2 to enter, 0 to leave, plus a hold), so the pools do not flap
+  when converted workers drain the queue and the growth signal drops.
+* :func:`plan_conversions`: while the start condition holds, convert one more decode
+  worker to prefill per update (idle first, then the least loaded), never beyond
+  ``max_convert_share`` of the native decode pool and never the last decode worker;
+  hold the converted set while the rush lasts without pressure; convert everything back
+  once the rush has ended. A worker holding KV not yet acknowledged (a transfer in flight
+  to or from it) is never converted, in either direction; a worker whose in-flight decode
+  exceeds what chunked prefill keeps (``decode_reserve`` of its slots) is not converted
+  to prefill; a converted worker still prefilling is *drained* (takes no new prefill)
+  and converted back on a later update.
+* Chunked prefill on a converted worker: ``chunk_tokens`` (512) per iteration, with
+  ``decode_reserve`` (30%) of its decode slots kept for the sequences it was decoding,
+  so a converted worker never abandons them (:meth:`ADPConfig.reserved_slots`).
+
+Every default below is documented where it is set, with the reason for its value.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from topkv.policy.clock import Clock
+from topkv.policy.errors import PolicyInputError
+
+Role = Literal["prefill", "decode"]
+
+
+@dataclass(frozen=True)
+class ADPConfig:
+    """Thresholds and limits of the Adaptive Decoder Pool (all times in seconds)."""
+
+    #: Time constant of the fast token-velocity EMA. 10 s spans tens of requests at the
+    #: rates of the Azure and Mooncake traces (a few req/s), enough to average out Poisson
+    #: noise, and is short against the minutes a rush lasts, so a burst shows within
+    #: seconds.
+    velocity_window_s: float = 10.0
+    #: Time constant of the slow EMA the spike is measured against: 30x the fast window
+    #: (5 minutes), the paper's "steady state", long enough that a burst of a minute
+    #: barely moves it.
+    baseline_window_s: float = 300.0
+    #: Velocity spike threshold: fast over slow EMA. 1.5 sits above the ~1.2 that Poisson
+    #: noise reaches over a 10 s window at a few requests/s and below the 2-4x swings of
+    #: the ServeGen rates and the Azure bursts.
+    velocity_spike_ratio: float = 1.5
+    #: Window over which the queue growth rate is measured (depth now minus depth then,
+    #: over the time between). 10 s matches the fast velocity window.
+    queue_window_s: float = 10.0
+    #: Queue growth threshold, requests/s: 0.5 means 5 more requests queued than 10 s
+    #: ago. Any sustained positive growth is overload (arrivals beyond prefill capacity);
+    #: the margin above 0 ignores the few-request wobble of a queue at its service rate.
+    queue_growth_per_s: float = 0.5
+    #: TTFT target (the simulator's default goodput SLO, 2 s) and the window of first
+    #: tokens its P99 is taken over (60 s: about a hundred first tokens at the traces'
+    #: rates, enough for a P99 that is not one request).
+    ttft_target_s: float = 2.0
+    ttft_window_s: float = 60.0
+    #: Signals that must pass together for a rush to start: 2 of 3 (the paper); one alone
+    #: (a spike the pool absorbs, a slow request) is not a rush.
+    min_signals: int = 2
+    #: How long every signal must stay below its threshold before the rush ends: 30 s,
+    #: three fast windows, longer than the gaps between the waves of a bursty trace and
+    #: short against the 10 s target conversion time times the few conversions, so the
+    #: pool neither flaps nor stays converted long after the load is gone.
+    hold_s: float = 30.0
+    #: Most of the native decode pool that may be converted at once: 50%, so at least
+    #: half the decode capacity (and KV memory) stays for the sequences in flight; the
+    #: TPOT cost of a smaller decode pool grows fast beyond that.
+    max_convert_share: float = 0.5
+    #: Decode workers converted per update while the start condition holds: 1, so the
+    #: pool ramps with the pressure instead of jumping to the cap on the first sign.
+    convert_step: int = 1
+    #: Least time between two conversions to prefill: 5 s lets the last converted worker
+    #: take load (and the queue signal react) before another is converted.
+    convert_interval_s: float = 5.0
+    #: Chunked prefill on a converted worker: 512-token chunks (the paper; Sarathi's
+    #: range for a 70B model keeps one iteration within a few decode steps) and 30% of
+    #: its decode slots kept for the sequences it was decoding.
+    chunk_tokens: int = 512
+    decode_reserve: float = 0.3
+
+    def __post_init__(self) -> None:
+        for name in (
+            "velocity_window_s",
+            "baseline_window_s",
+            "queue_window_s",
+            "ttft_target_s",
+            "ttft_window_s",
+            "velocity_spike_ratio",
+        ):
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):
+                raise PolicyInputError(f"ADP {name} = {value} must be a positive number")
+        if self.baseline_window_s < self.velocity_window_s:
+            raise PolicyInputError("ADP baseline window must not be shorter than the fast one")
+        for name in ("hold_s", "convert_interval_s", "queue_growth_per_s"):
+            value = getattr(self, name)
+            if not (value >= 0 and math.isfinite(value)):
+                raise PolicyInputError(f"ADP {name} = {value} must be >= 0")
+        if not 1 <= self.min_signals <= 3:
+            raise PolicyInputError(f"ADP min_signals {self.min_signals} must be 1, 2 or 3")
+        if not 0 <= self.max_convert_share <= 1:
+            raise PolicyInputError(f"ADP max_convert_share {self.max_convert_share} not in [0,1]")
+        if not 0 <= self.decode_reserve < 1:
+            raise PolicyInputError(f"ADP decode_reserve {self.decode_reserve} not in [0, 1)")
+        if self.chunk_tokens < 1 or self.convert_step < 1:
+            raise PolicyInputError("ADP chunk_tokens and convert_step must be >= 1")
+
+    def reserved_slots(self, decode_slots: int) -> int:
+        """Decode slots a converted worker keeps for decode (30% of ``decode_slots``)."""
+        return math.floor(decode_slots * self.decode_reserve + 1e-9)
+
+    def chunks(self, prompt_tokens: int) -> int:
+        """Chunks of chunked prefill for ``prompt_tokens`` (at least one)."""
+        return max(1, -(-prompt_tokens // self.chunk_tokens))
+
+
+DEFAULT_ADP = ADPConfig()
+
+
+class TokenVelocity:
+    """EMA of the token arrival rate (tokens/s) over ``window_s``, bias-corrected."""
+
+    def __init__(self, clock: Clock, window_s: float) -> None:
+        if not window_s > 0:
+            raise PolicyInputError(f"velocity window {window_s} must be > 0")
+        self._clock = clock
+        self.window_s = window_s
+        self._start = clock.now()
+        self._last = self._start
+        self._raw = 0.0
+
+    def _decay_to(self, now: float) -> None:
+        if now < self._last:
+            raise PolicyInputError(f"time went backwards ({self._last} -> {now})")
+        self._raw *= math.exp(-(now - self._last) / self.window_s)
+        self._last = now
+
+    def observe(self, tokens: float) -> None:
+        """``tokens`` arrived now."""
+        if tokens < 0:
+            raise PolicyInputError(f"cannot observe {tokens} tokens")
+        self._decay_to(self._clock.now())
+        self._raw += tokens / self.window_s
+
+    def rate(self) -> float:
+        """Tokens/s now; 0 before any time has passed."""
+        now = self._clock.now()
+        self._decay_to(now)
+        warm = 1.0 - math.exp(-(now - self._start) / self.window_s)
+        return self._raw / warm if warm > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class Signals:
+    """The three rush signals at one update, each with whether it passes its threshold."""
+
+    at: float
+    queue_growth_per_s: float
+    velocity_ratio: float
+    ttft_p99_s: float | None
+    queue_high: bool
+    velocity_high: bool
+    ttft_high: bool
+
+    @property
+    def passing(self) -> int:
+        return int(self.queue_high) + int(self.velocity_high) + int(self.ttft_high)
+
+
+def p99(values: Sequence[float]) -> float:
+    """The 99th percentile by linear interpolation (as numpy's default); values nonempty."""
+    ordered = sorted(values)
+    pos = 0.99 * (len(ordered) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+class RushDetector:
+    """Rush detection from the three signals, with hysteresis (module docstring)."""
+
+    def __init__(self, clock: Clock, config: ADPConfig = DEFAULT_ADP) -> None:
+        self.config = config
+        self._clock = clock
+        self.fast = TokenVelocity(clock, config.velocity_window_s)
+        self.slow = TokenVelocity(clock, config.baseline_window_s)
+        self._depths: deque[tuple[float, int]] = deque()
+        self._ttfts: deque[tuple[float, float]] = deque()
+        self.in_rush = False
+        self._calm_since: float | None = None
+        self.periods: list[tuple[float, float | None]] = []
+        self.last: Signals | None = None
+
+    def observe_arrival(self, tokens: float) -> None:
+        """A request of ``tokens`` prompt tokens arrived."""
+        self.fast.observe(tokens)
+        self.slow.observe(tokens)
+
+    def observe_ttft(self, seconds: float) -> None:
+        """A first token came out ``seconds`` after its request arrived."""
+        self._ttfts.append((self._clock.now(), seconds))
+
+    def signals(self, queue_depth: int) -> Signals:
+        """Record the prefill queue depth now and evaluate the three signals."""
+        cfg = self.config
+        now = self._clock.now()
+        depths = self._depths
+        depths.append((now, queue_depth))
+        while len(depths) > 1 and depths[1][0] <= now - cfg.queue_window_s:
+            depths.popleft()
+        t0, d0 = depths[0]
+        growth = (queue_depth - d0) / (now - t0) if now > t0 else 0.0
+        slow = self.slow.rate()
+        fast = self.fast.rate()
+        ratio = fast / slow if slow > 0 else (math.inf if fast > 0 else 1.0)
+        ttfts = self._ttfts
+        while ttfts and ttfts[0][0] < now - cfg.ttft_window_s:
+            ttfts.popleft()
+        tail = p99([t for _, t in ttfts]) if ttfts else None
+        return Signals(
+            at=now,
+            queue_growth_per_s=growth,
+            velocity_ratio=ratio,
+            ttft_p99_s=tail,
+            queue_high=growth > cfg.queue_growth_per_s,
+            velocity_high=ratio > cfg.velocity_spike_ratio,
+            ttft_high=tail is not None and tail > cfg.ttft_target_s,
+        )
+
+    def update(self, queue_depth: int) -> Signals:
+        """One detector step: evaluate the signals and move the rush state."""
+        s = self.signals(queue_depth)
+        self.last = s
+        now = s.at
+        if not self.in_rush:
+            if s.passing >= self.config.min_signals:
+                self.in_rush = True
+                self._calm_since = None
+                self.periods.append((now, None))
+            return s
+        if s.passing:
+            self._calm_since = None
+        elif self._calm_since is None:
+            self._calm_since = now
+        if self._calm_since is not None and now - self._calm_since >= self.config.hold_s:
+            self.in_rush = False
+            self.periods[-1] = (self.periods[-1][0], now)
+            self._calm_since = None
+        return s
+
+    @property
+    def pressure(self) -> bool:
+        """Whether the start condition holds at the last update (ramp more conversions)."""
+        return self.last is not None and self.last.passing >= self.config.min_signals
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    """What the ADP may know about one worker."""
+
+    worker_id: str
+    #: The pool it was deployed in; only native decode workers are ever converted.
+    native: Role
+    #: The pool it serves now (``prefill`` for a converted decode worker).
+    role: Role
+    #: Decode sequences running on it now.
+    active_decode: int
+    #: Its decode slots (max batch) as a decode worker.
+    decode_slots: int
+    #: KV transfers to or from it not yet acknowledged.
+    unacked_kv: int = 0
+    #: Prefill work in progress on it (only a converted worker has any).
+    prefilling: bool = False
+    healthy: bool = True
+
+    @property
+    def converted(self) -> bool:
+        return self.native == "decode" and self.role == "prefill"
+
+
+@dataclass(frozen=True)
+class ConversionPlan:
+    """What to do now: workers to convert each way, and converted ones to drain first."""
+
+    to_prefill: tuple[str, ...] = ()
+    to_decode: tuple[str, ...] = ()
+    #: Converted workers that must take no new prefill work, to be converted back once
+    #: idle (their prefill done and their KV acknowledged).
+    drain: tuple[str, ...] = ()
+    rationale: str = ""
+
+    @property
+    def empty(self) -> bool:
+        return not (self.to_prefill or self.to_decode or self.drain)
+
+
+def convert_cap(native_decode: int, config: ADPConfig) -> int:
+    """Most decode workers that may be converted: the share cap, always leaving one."""
+    share = math.floor(native_decode * config.max_convert_share + 1e-9)
+    return max(0, min(share, native_decode - 1))
+
+
+def convertible(w: WorkerView, config: ADPConfig) -> bool:
+    """A native decode worker serving decode may turn prefill now (module docstring)."""
+    return (
+        w.native == "decode"
+        and w.role == "decode"
+        and w.healthy
+        and w.unacked_kv == 0
+        and w.active_decode <= config.reserved_slots(w.decode_slots)
+    )
+
+
+def plan_conversions(
+    workers: Sequence[WorkerView],
+    in_rush: bool,
+    pressure: bool,
+    config: ADPConfig = DEFAULT_ADP,
+    may_convert: bool = True,
+) -> ConversionPlan:
+    """The conversion plan for this update (pure; see the module docstring).
+
+    ``in_rush``: the detector's state; ``pressure``: whether the start condition holds now
+    (more workers are converted only then); ``may_convert``: the caller's rate limit
+    (``convert_interval_s`` since the last conversion to prefill).
+    """
+    natives = [w for w in workers if w.native == "decode"]
+    converted = [w for w in natives if w.converted]
+    if not in_rush:
+        back = [w for w in converted if w.unacked_kv == 0 and not w.prefilling]
+        wait = [w for w in converted if w not in back]
+        return ConversionPlan(
+            to_decode=tuple(sorted(w.worker_id for w in back)),
+            drain=tuple(sorted(w.worker_id for w in wait)),
+            rationale="rush over: converting back" if converted else "",
+        )
+    cap = convert_cap(len(natives), config)
+    room = cap - len(converted)
+    if not (pressure and may_convert) or room <= 0:
+        why = "at the cap" if room <= 0 else "holding"
+        return ConversionPlan(rationale=f"rush: {why} ({len(converted)}/{cap} converted)")
+    # idle first, then least loaded, then id (deterministic)
+    pool = sorted(
+        (w for w in natives if convertible(w, config)),
+        key=lambda w: (w.active_decode, w.worker_id),
+    )
+    chosen = pool[: min(room, config.convert_step)]
+    return ConversionPlan(
+        to_prefill=tuple(w.worker_id for w in chosen),
+        rationale=(
+            f"rush: converting {len(chosen)} ({len(converted) + len(chosen)}/{cap})"
+            if chosen
+            else f"rush: no decode worker can be converted ({len(converted)}/{cap})"
+        ),
+    )
+
+
+@dataclass
+class AdaptiveDecoderPool:
+    """Detector plus planner with the rate limit between conversions: the whole ADP.
+
+    The caller reports arrivals and first tokens as they happen, and at each update
+    (a tick of a second or so) its queue depth and workers; it applies the plan it gets.
+    """
+
+    clock: Clock
+    config: ADPConfig = DEFAULT_ADP
+    detector: RushDetector = field(init=False)
+    conversions: int = 0
+    _last_convert: float = field(default=-math.inf, init=False)
+
+    def __post_init__(self) -> None:
+        self.detector = RushDetector(self.clock, self.config)
+
+    def observe_arrival(self, tokens: float) -> None:
+        self.detector.observe_arrival(tokens)
+
+    def observe_ttft(self, seconds: float) -> None:
+        self.detector.observe_ttft(seconds)
+
+    def update(self, queue_depth: int, workers: Sequence[WorkerView]) -> ConversionPlan:
+        """Advance the detector with ``queue_depth`` and plan for ``workers``."""
+        self.detector.update(queue_depth)
+        now = self.clock.now()
+        plan = plan_conversions(
+            workers,
+            self.detector.in_rush,
+            self.detector.pressure,
+            self.config,
+            may_convert=now - self._last_convert >= self.config.convert_interval_s,
+        )
+        if plan.to_prefill:
+            self._last_convert = now
+        self.conversions += len(plan.to_prefill) + len(plan.to_decode)
+        return plan
+
+    @property
+    def in_rush(self) -> bool:
+        return self.detector.in_rush
+
+    @property
+    def rush_periods(self) -> list[tuple[float, float | None]]:
+        """``(start, end)`` of each rush; ``end`` None while one lasts."""
+        return list(self.detector.periods)
