@@ -303,20 +303,11 @@ def test_aiohttp_own_errors_are_json_too(live: Live) -> None:
         assert assert_json_error(send(live.port, "GET", path, headers))["kind"] == "bad_request"
 
 
-@pytest.mark.xfail(
-    reason="auth.digest_of encodes the header's surrogate-escaped bytes strictly "
-    "(UnicodeEncodeError -> 500); auth.py is not this test's to change",
-)
 def test_a_non_ascii_authorization_header_is_401(live: Live) -> None:
     answer = send(live.port, "GET", "/v1/workers", [("Authorization", b"Bearer \xff\xfe")])
     assert answer.status == 401
 
 
-@pytest.mark.xfail(
-    reason="aiohttp answers an Expect header before any middleware, and its default handler "
-    "fails to encode a non-UTF-8 value (UnicodeEncodeError -> 500); a per-route "
-    "expect_handler (auth.add_routes) would fix the known routes only",
-)
 def test_a_non_utf8_expect_header_is_4xx(live: Live) -> None:
     answer = send(live.port, "POST", "/v1/workers", [("Expect", b"\x80")])
     assert 400 <= answer.status < 500

@@ -314,11 +314,6 @@ def test_a_send_its_request_dooms_is_400_one_the_transport_fails_502(worker: Liv
         assert send(worker.port, "DELETE", f"/v1/kv/{rid}", headers).status == 200
 
 
-@pytest.mark.xfail(
-    reason="transport/tcp.py: the pool's connect catches OSError only; the UnicodeError of a "
-    "host name over 63 characters kills the tcp-send thread and the send is answered 200 "
-    "(acknowledged) though nothing arrived",
-)
 def test_a_send_to_a_host_that_cannot_be_named_is_not_acknowledged(worker: LiveWorker) -> None:
     headers = [("Authorization", f"Bearer {ADMIN}".encode())]
     layout = {"num_layers": 1, "seq_len": 2, "kv_heads": 1, "head_dim": 2}

@@ -208,11 +208,25 @@ def add_routes(app: web.Application, routes: Iterable[Route]) -> dict[tuple[str,
     """Add ``routes`` to ``app``; the access table the auth middleware reads."""
     table: dict[tuple[str, str], Access] = {}
     for route in routes:
-        app.router.add_route(route.method, route.path, route.handler)
+        app.router.add_route(
+            route.method, route.path, route.handler, expect_handler=_expect_continue
+        )
         table[(route.method, route.path)] = route.access
         if route.method == "GET":
             table[("HEAD", route.path)] = route.access
     return table
+
+
+async def _expect_continue(request: web.Request) -> None:
+    """Answer ``Expect: 100-continue``; refuse any other expectation with a JSON 417 (the
+    default handler echoes the value and fails on one that is not UTF-8)."""
+    expect = request.headers.get("Expect", "")
+    if expect.lower() == "100-continue" and request.version >= (1, 1):
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        return
+    body = '{"error": {"kind": "bad_request", "type": "ExpectationFailed", "detail": '
+    body += '"only Expect: 100-continue is understood"}}'
+    raise web.HTTPExpectationFailed(text=body, content_type="application/json")
 
 
 def _unauthorized(detail: str) -> web.Response:
@@ -232,9 +246,10 @@ def forbidden(detail: str) -> web.Response:
 def bearer(request: web.Request) -> str | None:
     header = request.headers.get("Authorization", "")
     scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
-        return None
-    return token.strip()
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token or not token.isascii():
+        return None  # tokens are ASCII: anything else cannot be one (401)
+    return token
 
 
 def auth_middleware(

@@ -76,6 +76,12 @@ class HttpRegistrar:
                     )
                 if response.status == 403:
                     raise ServiceError(f"{method} {url} -> 403: {text[:300]}")
+                if response.status == 429:
+                    retry = response.headers.get("Retry-After", "a while")
+                    raise ServiceError(
+                        f"{method} {url} -> 429: registrations throttled; retrying after "
+                        f"{retry} s (at the next heartbeat)"
+                    )
                 if response.status >= 500 or response.status in (400, 409, 422):
                     raise ServiceError(f"{method} {url} -> {response.status}: {text[:300]}")
                 return response.status

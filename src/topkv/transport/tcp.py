@@ -326,6 +326,10 @@ class _Pool:
             raise TransferTimeout(f"connect to {dest[0]}:{dest[1]} timed out") from exc
         except OSError as exc:
             raise PeerDied(f"cannot connect to {dest[0]}:{dest[1]}: {exc}") from exc
+        except (UnicodeError, ValueError) as exc:  # e.g. a host name IDNA cannot encode
+            raise TransportError(
+                f"cannot connect to {dest[0][:80]!r}:{dest[1]}: not a usable address ({exc})"
+            ) from None
         try:
             tune_socket(sock)
             client_handshake(sock, self._secret)
@@ -453,6 +457,8 @@ class _TcpOutgoing(QueuedOutgoing[LayerItem]):
             self._fail(exc)
         except OSError as exc:
             self._fail(PeerDied(f"tcp connection failed: {exc}"))
+        except Exception as exc:  # never leave the transfer unresolved: it fails, named
+            self._fail(TransportError(f"tcp send failed: {type(exc).__name__}: {exc}"))
         finally:
             if sock is not None:
                 if reusable and not self._cancelled.is_set():
