@@ -43,7 +43,6 @@ from typing import Any, Unpack, cast
 from topkv.transport import framing
 from topkv.transport.base import LayerTensors, TransferDescriptor, TransportMode
 from topkv.transport.engine import (
-    EngineLayer,
     SinkEngine,
     SourceEngine,
     dumps_metadata,
@@ -58,7 +57,6 @@ from topkv.transport.errors import (
     TransportError,
     TransportUnavailable,
 )
-from topkv.transport.sending import check_layer_tensors
 
 DEFAULT_ARENA_BYTES = 1 << 30
 POLL_SECONDS = 20e-6
@@ -140,11 +138,6 @@ def flat_bytes(tensor: Any) -> Any:
         return torch.frombuffer(view.cast("B"), dtype=torch.uint8)
 
 
-def _numel(flat: Any) -> int:
-    """Bytes of a tensor :func:`flat_bytes` returned (one byte per element)."""
-    return int(flat.numel())
-
-
 class _PinnedStaging:
     """A growing page-locked host buffer, one per stream user."""
 
@@ -217,15 +210,11 @@ class _CudaSourceEngine(SourceEngine):
         self._streams: dict[int, Any] = {}
         self._lock = threading.Lock()
 
-    def check(
-        self,
-        descriptor: TransferDescriptor,
-        layer: int,
-        tensors: Sequence[Any],
-        crcs: Sequence[int] | None,
-    ) -> EngineLayer:
-        flat, checked = check_layer_tensors(descriptor, layer, tensors, crcs, flat_bytes, _numel)
-        return EngineLayer(layer, flat, checked)
+    def flatten(self, tensor: Any) -> Any:
+        return flat_bytes(tensor)
+
+    def nbytes(self, flat: Any) -> int:
+        return int(flat.numel())  # one byte per element of a flat_bytes tensor
 
     def crc(self, tensor: Any) -> int:
         with self._lock:

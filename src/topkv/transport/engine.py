@@ -54,7 +54,7 @@ from topkv.transport.errors import (
     wait_for_release,
 )
 from topkv.transport.receiving import carve_layers
-from topkv.transport.sending import check_layer
+from topkv.transport.sending import as_bytes_view, check_layer_tensors
 from topkv.transport.sockio import recv_exactly, send_buffers
 
 ARENA_ALIGN = 4096
@@ -108,7 +108,6 @@ class SinkEngine(ABC):
 class SourceEngine(ABC):
     """Initiator side of an engine."""
 
-    @abstractmethod
     def check(
         self,
         descriptor: TransferDescriptor,
@@ -116,7 +115,21 @@ class SourceEngine(ABC):
         tensors: Sequence[Any],
         crcs: Sequence[int] | None,
     ) -> EngineLayer:
-        """Validate a ``send_layer`` call (raises ``FrameRejected``)."""
+        """Validate a ``send_layer`` call (raises ``FrameRejected``): the layout's checks
+        (:func:`~topkv.transport.sending.check_layer_tensors`) over the tensors as
+        :meth:`flatten` makes them."""
+        flat, checked = check_layer_tensors(
+            descriptor, layer, tensors, crcs, self.flatten, self.nbytes
+        )
+        return EngineLayer(layer, flat, checked)
+
+    @abstractmethod
+    def flatten(self, tensor: Any) -> Any:
+        """One ``send_layer`` tensor as the engine writes it (flat bytes, no copy)."""
+
+    @abstractmethod
+    def nbytes(self, flat: Any) -> int:
+        """Bytes of a tensor :meth:`flatten` returned."""
 
     @abstractmethod
     def crc(self, tensor: Any) -> int:
@@ -255,15 +268,11 @@ class HostSinkEngine(SinkEngine):
 class HostSourceEngine(SourceEngine):
     """A source engine that writes host buffers (NIXL, Mooncake): checked as byte views."""
 
-    def check(
-        self,
-        descriptor: TransferDescriptor,
-        layer: int,
-        tensors: Sequence[Any],
-        crcs: Sequence[int] | None,
-    ) -> EngineLayer:
-        item = check_layer(descriptor, layer, tensors, crcs)
-        return EngineLayer(item.layer, item.tensors, item.crcs)
+    def flatten(self, tensor: Any) -> memoryview:
+        return as_bytes_view(tensor)
+
+    def nbytes(self, flat: memoryview) -> int:
+        return flat.nbytes
 
     def crc(self, tensor: Any) -> int:
         return framing.crc64(tensor)
