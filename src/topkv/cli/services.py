@@ -113,6 +113,9 @@ def orchestrator_command(
         None, help="worker tokens accepted with worker scope, one per line"
     ),
     protect_metrics: bool = typer.Option(False, help="/metrics needs an admin token"),
+    max_body_bytes: int = typer.Option(
+        1 << 20, min=1024, help="largest request body read (413 beyond it)"
+    ),
     insecure_no_auth: bool = insecure_option(),
     tls_cert: Path | None = tls_cert_option(),
     tls_key: Path | None = tls_key_option(),
@@ -139,6 +142,7 @@ def orchestrator_command(
     )
     config = OrchestratorServiceConfig(
         auth=auth,
+        max_body_bytes=max_body_bytes,
         registry=registry,
         topology_file=topology,
         tls=server_tls(tls_cert, tls_key, tls_ca),

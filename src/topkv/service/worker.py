@@ -42,8 +42,6 @@ from typing import TypeVar
 
 from aiohttp import web
 
-from topkv.errors import TopKVError
-from topkv.relay.executor import classify_failure
 from topkv.relay.workers import WorkerInfo
 from topkv.service.auth import Access, Route, secured_app, warn_insecure
 from topkv.service.engines import (
@@ -54,7 +52,6 @@ from topkv.service.engines import (
 )
 from topkv.service.errors import ServiceError
 from topkv.service.httputil import (
-    error_middleware,
     error_response,
     format_host,
     int_param,
@@ -67,7 +64,6 @@ from topkv.service.kvstore import (
     CapacityExceeded,
     HeldKV,
     KVStore,
-    PrefillFailed,
     UnknownKV,
     received_kv,
     summarize,
@@ -88,6 +84,7 @@ from topkv.service.messages import (
 from topkv.service.registrar import Registrar, open_registrar
 from topkv.service.tls import client_tls, served_url, server_context
 from topkv.service.worker_config import FAULTS_ENV, SECRET_ENV, WorkerConfig, WorkerFaults
+from topkv.service.worker_errors import made_medium, worker_error_middleware
 from topkv.service.worker_inbox import Inbox
 from topkv.service.worker_media import (
     MediaOffer,
@@ -319,7 +316,7 @@ class WorkerService:
             Route("POST", "/v1/send", self._send, admin),
             Route("POST", "/v1/generate", self._generate, admin),
         ]
-        return secured_app(routes, self.config.server_auth, middlewares=[_error_middleware])
+        return secured_app(routes, self.config.server_auth, middlewares=[worker_error_middleware])
 
     async def _healthz(self, request: web.Request) -> web.Response:
         return web.json_response({"ok": True, "worker_id": self.worker_id})
@@ -473,7 +470,7 @@ class WorkerService:
             sink = self._sinks.get(kind)
             if sink is None:
                 make = transports.get(kind).make_sink
-                sink = await asyncio.to_thread(_made, make, self.config.secret, kind, "sink")
+                sink = await asyncio.to_thread(made_medium, make, self.config.secret, kind, "sink")
                 self._sinks[kind] = sink
         return sink
 
@@ -638,7 +635,7 @@ class WorkerService:
             source = self._sources.get(medium)
             if source is None:
                 make = transports.get(medium).make_source
-                source = _made(make, self.config.secret, medium, "source")
+                source = made_medium(make, self.config.secret, medium, "source")
                 source = self._with_faults(medium, source)
                 self._sources[medium] = source
             return source
@@ -654,35 +651,6 @@ class WorkerService:
             self._corrupters.append(corrupter)
             source = corrupter
         return source
-
-
-def _made(make: Callable[[bytes], T], secret: bytes, medium: str, what: str) -> T:
-    """``make(secret)``; an engine that fails to start is this medium's transport failure."""
-    try:
-        return make(secret)
-    except TransportError:
-        raise
-    except Exception as exc:  # e.g. an engine agent that cannot start here
-        raise TransportUnavailable(f"{medium} {what} failed to start: {exc!r}") from exc
-
-
-def _special_error(exc: TopKVError) -> tuple[int, str] | None:
-    if not isinstance(exc, TransportError):
-        return None
-    return (504 if isinstance(exc, TransferTimeout) else 502), classify_failure(exc).value
-
-
-#: TopKV errors become JSON answers with a failure kind the executor understands.
-_error_middleware = error_middleware(
-    (
-        (UnknownKV, 404, "not_found"),
-        (CapacityExceeded, 409, "capacity"),
-        (EngineRequestError, 400, "bad_request"),
-        (PrefillFailed, 502, "source_lost"),
-        (ServiceError, 500, "internal"),
-    ),
-    _special_error,
-)
 
 
 async def serve_worker(config: WorkerConfig, stop: asyncio.Event) -> None:
