@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -321,8 +322,19 @@ def test_a_worker_with_unacknowledged_kv_is_never_converted() -> None:
     cfg = ADPConfig(max_convert_share=1.0, convert_step=4)
     plan = plan_conversions(workers, in_rush=True, pressure=True, config=cfg)
     assert plan.to_prefill == ("d3",)
+    assert plan.fence == ("d0", "d2")  # chosen, but first fenced: no new KV routed there
     busy = _pool(2, d0={"unacked_kv": 1}, d1={"unacked_kv": 2})
-    assert plan_conversions(busy, True, True, cfg).to_prefill == ()
+    plan = plan_conversions(busy, True, True, cfg)
+    assert plan.to_prefill == () and plan.fence == ("d0",)
+    # fenced, KV still in flight: still not converted, whatever the pressure
+    fenced = [replace(w, fenced=True) if w.worker_id == "d0" else w for w in busy]
+    again = plan_conversions(fenced, True, True, cfg)
+    assert again.to_prefill == () and again.fence == ()
+    # its KV acknowledged: converted now
+    acked = [replace(w, unacked_kv=0) if w.worker_id == "d0" else w for w in fenced]
+    assert plan_conversions(acked, True, False, cfg, may_convert=False).to_prefill == ("d0",)
+    # the rush ends before that: the fence opens again
+    assert plan_conversions(fenced, False, False, cfg).unfence == ("d0",)
 
 
 def test_decode_beyond_the_chunked_prefill_reserve_is_not_converted() -> None:

@@ -30,6 +30,11 @@ POLICY_KEYS = {
     "transfer_ms_p50",
     "bytes_by_transport",
     "rejected",
+    # issue #15 (Adaptive Decoder Pool), present with the ADP off too
+    "ttft_p90_ms",
+    "conversions",
+    "prefill_workers_max",
+    "prefill_workers_min",
 }
 
 

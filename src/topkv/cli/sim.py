@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import typer
@@ -14,9 +16,10 @@ from topkv.errors import ConfigError
 from topkv.jsonout import dumps
 from topkv.kv import get_model, load_hf_config
 from topkv.packaged import SAMPLE_TRACE
+from topkv.policy.adp import DEFAULT_ADP
 from topkv.sim.cluster import SimCluster, load_cluster_spec
 from topkv.sim.errors import ClusterSpecError, SimError
-from topkv.sim.report import SimReport
+from topkv.sim.report import SimReport, sweep_entry
 from topkv.sim.runner import POLICIES, SimConfig, run_policy
 from topkv.traces import ServeGenOptions, head, load_trace, scale_rate
 
@@ -28,16 +31,32 @@ def _parse_ratio(text: str) -> tuple[int, int]:
     return int(parts[0]), int(parts[1])
 
 
-def _check_runnable(config: SimConfig, cluster: str) -> None:
+def _check_runnable(config: SimConfig, cluster: str) -> int:
     """Build the simulated cluster once, before any progress bar: a cluster that cannot run
-    this model (TP does not divide a node, a pool without GPUs) fails here, naming its file."""
+    this model (TP does not divide a node, a pool without GPUs) fails here, naming its file.
+    Returns the number of instances (prefill + decode)."""
     try:
         tp = config.resolved_tp()
         config.compute_model(tp)
-        SimCluster.build(config.cluster, tp, config.pd_ratio)
+        built = SimCluster.build(config.cluster, tp, config.pd_ratio)
     except (SimError, ConfigError) as exc:
         where = f"{cluster}: " if Path(cluster).is_file() else ""
         raise ClusterSpecError(f"{where}{exc}") from None
+    return len(built.prefill) + len(built.decode)
+
+
+def _reduced(p: int, d: int) -> tuple[int, int]:
+    """``p:d`` in lowest terms (6:2 -> 3:1), so a split places its instances as the same
+    ratio given to ``--pd-ratio`` does (4:4 is 1:1, alternating prefill and decode)."""
+    g = math.gcd(p, d)
+    return p // g, d // g
+
+
+#: ``--adp`` values: which runs have the Adaptive Decoder Pool on.
+_ADP_MODES = {"off": [False], "on": [True], "both": [False, True]}
+#: The policy a ``--pd-ratio sweep`` runs its static splits under with ``--policy all``:
+#: the paper's Algorithm 1, the system's default transport selection.
+SWEEP_POLICY = "paper"
 
 
 def sim_command(
@@ -60,7 +79,17 @@ def sim_command(
     rate_scale: float = typer.Option(1.0, "--rate-scale", help="Multiply the request rate."),
     pipelining: str = typer.Option("on", "--pipelining", help="on, off or both."),
     tp: int | None = typer.Option(None, "--tp", help="Tensor parallelism per instance."),
-    pd_ratio: str = typer.Option("1:1", "--pd-ratio", help="Prefill:decode instances."),
+    pd_ratio: str = typer.Option(
+        "1:1",
+        "--pd-ratio",
+        help="Prefill:decode instances, or sweep: also every static split P:(N-P) of the N "
+        "instances, in lowest terms (JSON: sweep, best_static); the policies run at 1:1.",
+    ),
+    adp: str = typer.Option(
+        "off",
+        "--adp",
+        help="Adaptive Decoder Pool: off, on or both (JSON keys P and P+adp).",
+    ),
     limit: int | None = typer.Option(None, "--limit", help="Use only the first N requests."),
     slo_ttft_ms: float = typer.Option(2000.0, "--slo-ttft-ms", help="Goodput TTFT SLO."),
     slo_tpot_ms: float = typer.Option(100.0, "--slo-tpot-ms", help="Goodput TPOT SLO."),
@@ -84,6 +113,10 @@ def sim_command(
     modes = {"on": [True], "off": [False], "both": [True, False]}.get(pipelining)
     if modes is None:
         raise ConfigError(f"--pipelining {pipelining!r}: use on, off or both")
+    adp_modes = _ADP_MODES.get(adp)
+    if adp_modes is None:
+        raise ConfigError(f"--adp {adp!r}: use off, on or both")
+    sweep = pd_ratio.strip() == "sweep"
     spec = load_hf_config(config) if config is not None else get_model(model)
     cluster_spec = load_cluster_spec(cluster)
     workload = load_trace(
@@ -101,13 +134,16 @@ def sim_command(
         model=spec,
         cluster=cluster_spec,
         tp=tp,
-        pd_ratio=_parse_ratio(pd_ratio),
+        pd_ratio=(1, 1) if sweep else _parse_ratio(pd_ratio),
         slo_ttft_s=slo_ttft_ms / 1e3,
         slo_tpot_s=slo_tpot_ms / 1e3,
     )
-    _check_runnable(base, cluster)
+    instances = _check_runnable(base, cluster)
+    splits = [_reduced(p, instances - p) for p in range(1, instances)] if sweep else []
+    sweep_policy = policy if policy != "all" else SWEEP_POLICY
     err = Console(stderr=True)
     results = []
+    sweep_entries: list[dict[str, object]] = []
     started = time.perf_counter()
     with Progress(
         TextColumn("{task.description}"),
@@ -117,16 +153,29 @@ def sim_command(
         console=err,
         transient=True,
     ) as bar:
+
+        def advance_on(task_id: TaskID) -> Callable[[int], None]:
+            return lambda done: bar.update(task_id, completed=done)
+
         for pipelined in modes:
             for name in policies:
-                label = f"{name} ({'pipelined' if pipelined else 'not pipelined'})"
-                task = bar.add_task(label, total=len(workload))
-                cfg = SimConfig(**{**base.__dict__, "pipelining": pipelined})
-
-                def advance(done: int, task_id: TaskID = task) -> None:
-                    bar.update(task_id, completed=done)
-
-                results.append(run_policy(cfg, workload, name, advance))
+                for with_adp in adp_modes:
+                    tag = f"{name}+adp" if with_adp else name
+                    label = f"{tag} ({'pipelined' if pipelined else 'not pipelined'})"
+                    task = bar.add_task(label, total=len(workload))
+                    cfg = SimConfig(
+                        **{
+                            **base.__dict__,
+                            "pipelining": pipelined,
+                            "adp": DEFAULT_ADP if with_adp else None,
+                        }
+                    )
+                    results.append(run_policy(cfg, workload, name, advance_on(task)))
+        for split in splits:
+            task = bar.add_task(f"{sweep_policy} static {split[0]}:{split[1]}", total=len(workload))
+            cfg = SimConfig(**{**base.__dict__, "pd_ratio": split})
+            result = run_policy(cfg, workload, sweep_policy, advance_on(task))
+            sweep_entries.append(sweep_entry(split, result))
     wall = time.perf_counter() - started
     sim_report = SimReport(
         trace=str(trace),
@@ -135,6 +184,7 @@ def sim_command(
         requests=len(workload),
         results=results,
         wall_seconds=wall,
+        sweep=sweep_entries if sweep else None,
     )
     if report is not None:
         for path in sim_report.write(report):
@@ -144,6 +194,8 @@ def sim_command(
         return
     stdout_console().print(sim_report.table())
     typer.echo(sim_report.footer())
+    if sweep:
+        typer.echo(sim_report.sweep_text())
 
 
 def register(app: typer.Typer) -> None:

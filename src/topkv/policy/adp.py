@@ -26,7 +26,9 @@ Pieces:
   ``max_convert_share`` of the native decode pool and never the last decode worker;
   hold the converted set while the rush lasts without pressure; convert everything back
   once the rush has ended. A worker holding KV not yet acknowledged (a transfer in flight
-  to or from it) is never converted, in either direction; a worker whose in-flight decode
+  to or from it) is never converted, in either direction: a decode worker chosen while it
+  has some is *fenced* (the caller routes no new KV to it) and converted on a later update
+  once its KV is acknowledged; a worker whose in-flight decode
   exceeds what chunked prefill keeps (``decode_reserve`` of its slots) is not converted
   to prefill; a converted worker still prefilling is *drained* (takes no new prefill)
   and converted back on a later update.
@@ -298,6 +300,8 @@ class WorkerView:
     #: Prefill work in progress on it (only a converted worker has any).
     prefilling: bool = False
     healthy: bool = True
+    #: Chosen for conversion: no new KV is routed to it while its KV is acknowledged.
+    fenced: bool = False
 
     @property
     def converted(self) -> bool:
@@ -313,11 +317,16 @@ class ConversionPlan:
     #: Converted workers that must take no new prefill work, to be converted back once
     #: idle (their prefill done and their KV acknowledged).
     drain: tuple[str, ...] = ()
+    #: Decode workers chosen for conversion that still have KV not acknowledged: route
+    #: no new KV to them; they are converted once it is (a later plan's ``to_prefill``).
+    fence: tuple[str, ...] = ()
+    #: Fenced workers to open again (the rush ended before they were converted).
+    unfence: tuple[str, ...] = ()
     rationale: str = ""
 
     @property
     def empty(self) -> bool:
-        return not (self.to_prefill or self.to_decode or self.drain)
+        return not (self.to_prefill or self.to_decode or self.drain or self.fence or self.unfence)
 
 
 def convert_cap(native_decode: int, config: ADPConfig) -> int:
@@ -328,11 +337,15 @@ def convert_cap(native_decode: int, config: ADPConfig) -> int:
 
 def convertible(w: WorkerView, config: ADPConfig) -> bool:
     """A native decode worker serving decode may turn prefill now (module docstring)."""
+    return candidate(w, config) and w.unacked_kv == 0
+
+
+def candidate(w: WorkerView, config: ADPConfig) -> bool:
+    """A native decode worker that may be chosen for conversion (once its KV is acked)."""
     return (
         w.native == "decode"
         and w.role == "decode"
         and w.healthy
-        and w.unacked_kv == 0
         and w.active_decode <= config.reserved_slots(w.decode_slots)
     )
 
@@ -347,37 +360,47 @@ def plan_conversions(
     """The conversion plan for this update (pure; see the module docstring).
 
     ``in_rush``: the detector's state; ``pressure``: whether the start condition holds now
-    (more workers are converted only then); ``may_convert``: the caller's rate limit
-    (``convert_interval_s`` since the last conversion to prefill).
+    (more workers are chosen only then); ``may_convert``: the caller's rate limit
+    (``convert_interval_s`` since the last choice). A chosen worker that still has KV not
+    acknowledged is *fenced* (no new KV routed to it) and converted on a later update,
+    once its KV is acknowledged: never before.
     """
     natives = [w for w in workers if w.native == "decode"]
     converted = [w for w in natives if w.converted]
+    fenced = [w for w in natives if w.fenced and not w.converted]
     if not in_rush:
         back = [w for w in converted if w.unacked_kv == 0 and not w.prefilling]
         wait = [w for w in converted if w not in back]
         return ConversionPlan(
             to_decode=tuple(sorted(w.worker_id for w in back)),
             drain=tuple(sorted(w.worker_id for w in wait)),
-            rationale="rush over: converting back" if converted else "",
+            unfence=tuple(sorted(w.worker_id for w in fenced)),
+            rationale="rush over: converting back" if converted or fenced else "",
         )
     cap = convert_cap(len(natives), config)
-    room = cap - len(converted)
-    if not (pressure and may_convert) or room <= 0:
-        why = "at the cap" if room <= 0 else "holding"
-        return ConversionPlan(rationale=f"rush: {why} ({len(converted)}/{cap} converted)")
-    # idle first, then least loaded, then id (deterministic)
-    pool = sorted(
-        (w for w in natives if convertible(w, config)),
-        key=lambda w: (w.active_decode, w.worker_id),
-    )
-    chosen = pool[: min(room, config.convert_step)]
+    ready = [w for w in fenced if convertible(w, config)]
+    room = cap - len(converted) - len(fenced)
+    new: list[WorkerView] = []
+    if pressure and may_convert and room > 0:
+        # idle first, then least loaded, then fewest KV in flight, then id (deterministic)
+        pool = sorted(
+            (w for w in natives if not w.fenced and candidate(w, config)),
+            key=lambda w: (w.active_decode, w.unacked_kv, w.worker_id),
+        )
+        new = pool[: min(room, config.convert_step)]
+    to_prefill = [*ready, *(w for w in new if w.unacked_kv == 0)]
+    fence = [w for w in new if w.unacked_kv > 0]
+    total = len(converted) + len(to_prefill)
+    if to_prefill or fence:
+        why = f"rush: converting {len(to_prefill)}, fencing {len(fence)} ({total}/{cap})"
+    elif room <= 0:
+        why = f"rush: at the cap ({len(converted)} converted, {len(fenced)} fenced of {cap})"
+    else:
+        why = f"rush: holding ({len(converted)}/{cap} converted)"
     return ConversionPlan(
-        to_prefill=tuple(w.worker_id for w in chosen),
-        rationale=(
-            f"rush: converting {len(chosen)} ({len(converted) + len(chosen)}/{cap})"
-            if chosen
-            else f"rush: no decode worker can be converted ({len(converted)}/{cap})"
-        ),
+        to_prefill=tuple(w.worker_id for w in to_prefill),
+        fence=tuple(w.worker_id for w in fence),
+        rationale=why,
     )
 
 
@@ -415,7 +438,7 @@ class AdaptiveDecoderPool:
             self.config,
             may_convert=now - self._last_convert >= self.config.convert_interval_s,
         )
-        if plan.to_prefill:
+        if plan.to_prefill or plan.fence:
             self._last_convert = now
         self.conversions += len(plan.to_prefill) + len(plan.to_decode)
         return plan

@@ -33,6 +33,8 @@ class SimReport:
     requests: int
     results: list[PolicyResult]
     wall_seconds: float
+    #: ``--pd-ratio sweep``: one :func:`sweep_entry` per static split, else None.
+    sweep: list[dict[str, object]] | None = None
 
     @property
     def sim_seconds(self) -> float:
@@ -69,7 +71,7 @@ class SimReport:
         )
 
     def to_json(self) -> dict[str, object]:
-        main = {r.policy: r.summary() for r in self.results if r.pipelining}
+        main = {r.label: r.summary() for r in self.results if r.pipelining}
         doc: dict[str, object] = {
             "requests": self.requests,
             "rejected": self.rejected,
@@ -78,12 +80,28 @@ class SimReport:
             "speed_x_realtime": self.speed_x_realtime,
             "policies": main,
         }
-        unpiped = {r.policy: r.summary() for r in self.results if not r.pipelining}
+        unpiped = {r.label: r.summary() for r in self.results if not r.pipelining}
         if unpiped and main:
             doc["policies_without_pipelining"] = unpiped
         elif unpiped:
             doc["policies"] = unpiped
+        if self.sweep is not None:
+            doc["sweep"] = self.sweep
+            doc["best_static"] = best_static(self.sweep)
         return doc
+
+    def sweep_text(self) -> str:
+        """``--pd-ratio sweep`` in the table output: one line per static split."""
+        lines = ["static splits (P:D instances):"]
+        best = best_static(self.sweep or [])
+        for e in self.sweep or []:
+            mark = "  <- best static (lowest TTFT p99)" if e is best else ""
+            lines.append(
+                f"  {e['pd_ratio']:>6}  TTFT p50 {_ms(e['ttft_p50_ms'])}  p90 "
+                f"{_ms(e['ttft_p90_ms'])}  p99 {_ms(e['ttft_p99_ms'])}  TPOT p50 "
+                f"{_ms(e['tpot_p50_ms'])}{mark}"
+            )
+        return "\n".join(lines)
 
     def table(self) -> Table:
         table = Table(title=f"{self.model} on {self.cluster}: {self.trace}")
@@ -106,7 +124,7 @@ class SimReport:
         summary = directory / "summary.json"
         doc = self.to_json()
         doc["details"] = {
-            f"{r.policy}/{'pipe' if r.pipelining else 'nopipe'}": r.details() for r in self.results
+            f"{r.label}/{'pipe' if r.pipelining else 'nopipe'}": r.details() for r in self.results
         }
         summary.write_text(dumps(doc, indent=2), encoding="utf-8")
         written.append(summary)
@@ -116,7 +134,7 @@ class SimReport:
         return written
 
     def _label(self, r: PolicyResult) -> str:
-        return f"{r.policy} ({'pipelined' if r.pipelining else 'not pipelined'})"
+        return f"{r.label} ({'pipelined' if r.pipelining else 'not pipelined'})"
 
     def _ttft_cdf(self, path: Path) -> Path:
         fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -198,13 +216,33 @@ class SimReport:
 
 
 #: The first columns of the summary table and of the HTML report.
+def sweep_entry(pd_ratio: tuple[int, int], r: PolicyResult) -> dict[str, object]:
+    """One static split of ``--pd-ratio sweep``: its ratio (as ``P:D`` instances) and
+    TTFT/TPOT percentiles, plus the policy it ran under."""
+    return {
+        "pd_ratio": f"{pd_ratio[0]}:{pd_ratio[1]}",
+        "policy": r.policy,
+        "ttft_p50_ms": r.pct_ms(r.ttft_s, 50),
+        "ttft_p90_ms": r.pct_ms(r.ttft_s, 90),
+        "ttft_p99_ms": r.pct_ms(r.ttft_s, 99),
+        "tpot_p50_ms": r.pct_ms(r.tpot_s, 50),
+    }
+
+
+def best_static(sweep: list[dict[str, object]]) -> dict[str, object] | None:
+    """The sweep entry with the lowest ``ttft_p99_ms`` (the best split in hindsight);
+    the first such entry on a tie, None when no entry has a TTFT."""
+    scored = [e for e in sweep if isinstance(e.get("ttft_p99_ms"), float)]
+    return min(scored, key=lambda e: float(e["ttft_p99_ms"]), default=None)  # type: ignore[arg-type]
+
+
 _COLUMNS = ("policy", "pipelining", "TTFT p50", "TTFT p90", "TTFT p99", "TPOT p50", "E2E p50")
 
 
 def _figures(r: PolicyResult, d: dict[str, object], rps: str) -> tuple[str, ...]:
     """One policy's row in the summary table and the HTML report (less the transports)."""
     return (
-        r.policy,
+        r.label,
         "on" if r.pipelining else "off",
         _ms(d["ttft_p50_ms"]),
         _ms(d["ttft_p90_ms"]),

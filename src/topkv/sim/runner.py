@@ -30,24 +30,33 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
 from topkv.kv.spec import ModelSpec
 from topkv.policy.admission import AdmissionLimits, admit
+from topkv.policy.adp import ADPConfig
 from topkv.policy.bandwidth import BandwidthEstimator
 from topkv.policy.route import DecodeWorkerView, RoutingPolicy
 from topkv.policy.select import TransportSelector, policy_from_name
 from topkv.policy.view import Endpoint, LinkLoad, PairView, PathCandidate, TransferRequest
+from topkv.sim.adaptive import AdpDriver
 from topkv.sim.cluster import ClusterSpec, Instance, LinkMap, SimCluster, SimGPU
 from topkv.sim.compute import ComputeModel, default_tp, get_gpu
 from topkv.sim.engine import EventLoop, make_loop
 from topkv.sim.errors import SimError
-from topkv.sim.links import Flow, LinkNetwork, SimLink, UtilizationSeries
+from topkv.sim.links import Flow, LinkNetwork, SimLink
+from topkv.sim.result import PolicyResult as PolicyResult
+from topkv.sim.state import DecodeState, ReqState
 from topkv.traces import Request, Workload
 
 POLICIES: tuple[str, ...] = ("uniform-rdma", "paper", "cost")
+
+# The state classes under their historical names (subclasses of Simulation use them).
+_Req = ReqState
+_Decode = DecodeState
 
 
 @dataclass(frozen=True)
@@ -70,6 +79,12 @@ class SimConfig:
     #: When set, each decode instance holds at most this many requests at once (a slot
     #: count, as the live demo's decode workers have) instead of a KV-memory budget.
     decode_slots: int | None = None
+    #: The Adaptive Decoder Pool's thresholds; None = static pools (no ADP).
+    adp: ADPConfig | None = None
+    #: Simulated seconds between ADP updates, and the time one conversion takes (the
+    #: paper's 10 s target; the worker serves neither new prefill nor new decode then).
+    adp_tick_s: float = 1.0
+    adp_conversion_s: float = 10.0
 
     def compute_model(self, tp: int) -> ComputeModel:
         if self.compute is not None:
@@ -86,154 +101,6 @@ class SimConfig:
             return self.compute.tp
         gpu = get_gpu(self.cluster.node_groups[0].gpu)
         return default_tp(self.model, gpu)
-
-
-class _Req:
-    __slots__ = (
-        "decode",
-        "e2e",
-        "exposed",
-        "finish",
-        "kv_bytes",
-        "mem",
-        "path",
-        "prefill_end",
-        "prefill_start",
-        "req",
-        "transport",
-        "ttft",
-        "xfer_end",
-        "xfer_start",
-    )
-
-    def __init__(self, req: Request) -> None:
-        self.req = req
-        self.prefill_start = math.nan
-        self.prefill_end = math.nan
-        self.xfer_start = math.nan
-        self.xfer_end = math.nan
-        self.finish = math.nan
-        self.ttft = math.nan
-        self.e2e = math.nan
-        self.exposed = math.nan
-        self.transport = ""
-        self.kv_bytes = 0
-        self.mem = 0.0
-        self.path: PathCandidate | None = None
-        self.decode: _Decode | None = None
-
-
-class _Decode:
-    """A decode instance's continuous batch, advanced as a fluid in 'steps'."""
-
-    __slots__ = (
-        "capacity",
-        "inst",
-        "last_t",
-        "members",
-        "n",
-        "reserved",
-        "seq",
-        "step_s",
-        "steps",
-        "sum_input",
-        "sum_join",
-        "version",
-        "waiting",
-    )
-
-    def __init__(self, inst: Instance, capacity: float) -> None:
-        self.inst = inst
-        self.capacity = capacity
-        self.reserved = 0.0
-        self.steps = 0.0
-        self.last_t = 0.0
-        self.step_s = 0.0
-        self.members: list[tuple[float, int, _Req]] = []
-        self.n = 0
-        self.sum_input = 0.0
-        self.sum_join = 0.0
-        self.version = 0
-        self.seq = 0
-        self.waiting: deque[_Req] = deque()
-
-
-@dataclass
-class PolicyResult:
-    """Outcome of one policy's run."""
-
-    policy: str
-    pipelining: bool
-    completed: int
-    rejected: int
-    sim_seconds: float
-    wall_seconds: float
-    events: int
-    ttft_s: np.ndarray
-    tpot_s: np.ndarray
-    e2e_s: np.ndarray
-    exposed_transfer_s: np.ndarray
-    transfer_s: np.ndarray
-    prefill_wait_s: np.ndarray
-    prefill_s: np.ndarray
-    good: int
-    bytes_by_transport: dict[str, int]
-    count_by_transport: dict[str, int]
-    utilization: list[UtilizationSeries] = field(default_factory=list)
-    #: Rejected requests by reason code (:data:`topkv.policy.admission.REJECTION_REASONS`).
-    rejected_by_reason: dict[str, int] = field(default_factory=dict)
-
-    def pct(self, values: np.ndarray, q: float) -> float:
-        """The ``q``-th percentile; NaN over no values (the JSON outputs use :meth:`pct_ms`)."""
-        return float(np.percentile(values, q)) if values.size else math.nan
-
-    def pct_ms(self, values: np.ndarray, q: float) -> float | None:
-        """The ``q``-th percentile in ms; None (JSON ``null``) over no values."""
-        return float(np.percentile(values, q)) * 1e3 if values.size else None
-
-    @property
-    def goodput_rps(self) -> float:
-        return self.good / self.sim_seconds if self.sim_seconds > 0 else 0.0
-
-    @property
-    def kv_share_of_ttft(self) -> float:
-        """Mean exposed transfer time over mean TTFT."""
-        if not self.ttft_s.size or self.ttft_s.mean() <= 0:
-            return 0.0
-        return float(self.exposed_transfer_s.mean() / self.ttft_s.mean())
-
-    def summary(self) -> dict[str, object]:
-        """The per-policy keys of ``topkv sim --json``."""
-        return {
-            "ttft_p50_ms": self.pct_ms(self.ttft_s, 50),
-            "ttft_p99_ms": self.pct_ms(self.ttft_s, 99),
-            "tpot_p50_ms": self.pct_ms(self.tpot_s, 50),
-            "goodput_rps": self.goodput_rps,
-            "transfer_ms_p50": self.pct_ms(self.exposed_transfer_s, 50),
-            "bytes_by_transport": dict(sorted(self.bytes_by_transport.items())),
-            "rejected": self.rejected,
-        }
-
-    def details(self) -> dict[str, object]:
-        """Everything else a report shows (p90s, E2E, counts, KV share of TTFT)."""
-        out: dict[str, object] = {}
-        for name, arr in (
-            ("ttft", self.ttft_s),
-            ("tpot", self.tpot_s),
-            ("e2e", self.e2e_s),
-            ("exposed_transfer", self.exposed_transfer_s),
-            ("transfer", self.transfer_s),
-            ("prefill_queue", self.prefill_wait_s),
-        ):
-            for q in (50, 90, 99):
-                out[f"{name}_p{q}_ms"] = self.pct_ms(arr, q)
-        out["kv_share_of_ttft"] = self.kv_share_of_ttft
-        out["count_by_transport"] = dict(sorted(self.count_by_transport.items()))
-        out["completed"] = self.completed
-        out["rejected"] = self.rejected
-        out["rejected_by_reason"] = dict(sorted(self.rejected_by_reason.items()))
-        out["events"] = self.events
-        return out
 
 
 class Simulation:
@@ -270,6 +137,14 @@ class Simulation:
         self.rejected_by_reason: dict[str, int] = {}
         self._next_arrival = 0
         self._requests = workload.requests
+        self.prefill_pool = self.cluster.prefill
+        self.max_decode_batch = config.max_decode_batch
+        self.adp: AdpDriver | None = None
+        if config.adp is not None:
+            self.adp = AdpDriver(self, config.adp, config.adp_tick_s, config.adp_conversion_s)
+
+    def _arrivals_left(self) -> bool:
+        return self._next_arrival < len(self._requests)
 
     # -- setup -------------------------------------------------------------------------
 
@@ -306,6 +181,8 @@ class Simulation:
         started = time.perf_counter()
         if self._requests:
             self.loop.call_at(self._requests[0].arrival_s, self._arrive)
+            if self.adp is not None:
+                self.adp.start(self._requests[0].arrival_s)
         if progress is None:
             self.loop.run()
         else:
@@ -333,6 +210,8 @@ class Simulation:
                 self.rejected_by_reason.get(verdict.reason, 0) + 1
             )
             return
+        if self.adp is not None:
+            self.adp.arrival(req.input_tokens)
         self.queue.append(_Req(req))
         self._dispatch()
 
@@ -397,13 +276,14 @@ class Simulation:
             if c.transport == chosen.transport and c.links == chosen.links
         )
         target.reserved += need
+        target.pending += 1
         r.mem = need
         r.decode = target
         return target, path, decision.selection.choice
 
     def _shortlist(self, pool: list[_Decode], need: float) -> list[_Decode]:
         """The least-reserved instances of ``pool`` with room for ``need`` bytes."""
-        fits = [d for d in pool if d.capacity - d.reserved >= need]
+        fits = [d for d in pool if d.capacity - d.reserved >= need and not d.closed]
         k = self.config.shortlist
         if len(fits) > k:
             fits = heapq.nsmallest(k, fits, key=lambda d: d.reserved)
@@ -434,7 +314,11 @@ class Simulation:
         self, inst: Instance, batch: list[tuple[_Req, _Decode, PathCandidate, str]]
     ) -> None:
         now = self.loop.now()
-        duration = self.compute.prefill_s([r.req.input_tokens for r, *_ in batch])
+        prompts = [r.req.input_tokens for r, *_ in batch]
+        duration = self.compute.prefill_s(prompts)
+        if self.adp is not None:
+            duration = self.adp.prefill_duration(inst, prompts, duration)
+            self.adp.prefill_started(inst, [r for r, *_ in batch])
         end = now + duration
         for r, _d, _path, _t in batch:
             r.prefill_start = now
@@ -447,7 +331,8 @@ class Simulation:
         self.loop.call_at(end, self._prefill_done, inst)
 
     def _prefill_done(self, inst: Instance) -> None:
-        self.idle.append(inst)
+        if self.adp is None or self.adp.prefill_done(inst):
+            self.idle.append(inst)
         self._dispatch()
 
     # -- transfer ----------------------------------------------------------------------
@@ -492,12 +377,15 @@ class Simulation:
         r.xfer_end = now
         r.ttft = now - r.req.arrival_s
         r.exposed = max(0.0, now - r.prefill_end)
+        if self.adp is not None:
+            self.adp.kv_arrived(r, r.ttft)
         # what a live sender measures feeds the cost policy's bandwidth estimate
         measured = not self.config.pipelining and now > r.xfer_start and r.kv_bytes > 0
         if measured and r.path is not None:
             self.estimator.record(r.path, r.kv_bytes // self.tp, now - r.xfer_start)
         d = r.decode
         assert d is not None
+        d.pending -= 1
         if r.req.output_tokens <= 1:
             self._finish(r, d)
             self._dispatch()
@@ -530,7 +418,7 @@ class Simulation:
             d.step_s = 0.0
             return
         cached = d.sum_input + d.n * d.steps - d.sum_join
-        d.step_s = self.compute.decode_step_s(d.n, cached)
+        d.step_s = self.compute.decode_step_s(d.n, cached) + d.extra_step_s
         next_finish = d.members[0][0]
         when = now + max(0.0, next_finish - d.steps) * d.step_s
         self.loop.call_at(when, self._decode_tick, d, d.version)
@@ -623,7 +511,22 @@ class Simulation:
             count_by_transport=count_by,
             utilization=self.network.utilization(sim_seconds),
             rejected_by_reason=dict(self.rejected_by_reason),
+            **self._pool_stats(),
         )
+
+    def _pool_stats(self) -> dict[str, Any]:
+        adp = self.adp
+        if adp is None:
+            n = len(self.cluster.prefill)
+            return {"prefill_workers_min": n, "prefill_workers_max": n}
+        return {
+            "adp": True,
+            "conversions": adp.conversions,
+            "prefill_workers_min": adp.min_prefill,
+            "prefill_workers_max": adp.max_prefill,
+            "pool_series": list(adp.series),
+            "rush_periods": adp.rush_periods,
+        }
 
 
 def run_policy(
