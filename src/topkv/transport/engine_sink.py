@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import socket
 from dataclasses import dataclass, field
-from typing import TypedDict
+from typing import Unpack
 
 from topkv import wire
 from topkv.transport import framing
 from topkv.transport.base import (
-    LayerCallback,
     LayerTensors,
     ReceivedKV,
     TransferDescriptor,
@@ -37,6 +36,7 @@ from topkv.transport.errors import (
     TransportError,
 )
 from topkv.transport.listening import ControlSession, ListeningSink
+from topkv.transport.options import SinkOptions
 from topkv.transport.receiving import LayerMessage, TransferMessage, status_for
 
 
@@ -49,14 +49,10 @@ class _Incoming:
     error: TransportError | None = None
 
 
-class EngineSinkOptions(TypedDict, total=False):
+class EngineSinkOptions(SinkOptions, total=False):
     """Control-channel options every engine's sink passes on to :class:`EngineSink`."""
 
     port: int
-    on_layer: LayerCallback | None
-    limits: framing.ReceiveLimits | None
-    io_timeout: float
-    verify: bool
 
 
 class EngineSink(ListeningSink):
@@ -73,19 +69,11 @@ class EngineSink(ListeningSink):
         scheme: str,
         host: str = "127.0.0.1",
         port: int = 0,
-        on_layer: LayerCallback | None = None,
-        limits: framing.ReceiveLimits | None = None,
-        io_timeout: float = 30.0,
-        handshake_timeout: float = 5.0,
-        verify: bool = True,
+        **options: Unpack[SinkOptions],
     ) -> None:
-        super().__init__(secret, label=scheme, handshake_timeout=handshake_timeout)
+        super().__init__(secret, label=scheme, **options)
         self.engine = engine
         self._scheme = scheme
-        self._on_layer = on_layer
-        self._limits = limits or framing.ReceiveLimits()
-        self._io_timeout = io_timeout
-        self._verify = verify
         self._arena = Arena(engine.capacity)
         listener = socket.create_server((host, port))
         self._host = host
@@ -114,12 +102,11 @@ class EngineSink(ListeningSink):
         _SinkSession(self, conn).run()
 
 
-class _SinkSession(ControlSession[_Incoming]):
-    """Receiver side of one control connection."""
+class _SinkSession(ControlSession[EngineSink, _Incoming]):
+    """Receiver side of one control connection: layers land in the arena by engine writes."""
 
     def __init__(self, sink: EngineSink, conn: socket.socket) -> None:
-        super().__init__(sink, conn, limits=sink._limits, io_timeout=sink._io_timeout)
-        self.sink = sink
+        super().__init__(sink, conn)
         self.by_key: dict[bytes, _Incoming] = {}
 
     def end(self) -> None:

@@ -14,15 +14,10 @@ import socket
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, TypedDict
+from typing import Any, Unpack
 
 from topkv.transport import framing
-from topkv.transport.base import (
-    OutgoingTransfer,
-    TransferDescriptor,
-    TransferSource,
-    TransportMode,
-)
+from topkv.transport.base import OutgoingTransfer, TransferDescriptor, TransportMode
 from topkv.transport.engine import (
     WRITE_WINDOW,
     EngineLayer,
@@ -39,6 +34,7 @@ from topkv.transport.errors import (
     TransportError,
 )
 from topkv.transport.handshake import client_handshake
+from topkv.transport.options import SourceOptions, StreamSource
 from topkv.transport.receiving import error_from_ack, read_replies
 from topkv.transport.sending import ControlConnections, QueuedOutgoing
 from topkv.transport.sockio import send_buffers
@@ -250,15 +246,11 @@ class _EngineOutgoing(QueuedOutgoing[EngineLayer]):
                 conn.outgoing.discard(self)
 
 
-class EngineSourceOptions(TypedDict, total=False):
-    """Control-channel options every engine's source passes on to :class:`EngineSource`."""
-
-    connect_timeout: float
-    io_timeout: float
-    ack_timeout: float
+#: Control-channel options every engine's source passes on to :class:`EngineSource`.
+EngineSourceOptions = SourceOptions
 
 
-class EngineSource(TransferSource):
+class EngineSource(StreamSource):
     """Sends KV to :class:`EngineSink` instances through an engine's one-sided writes."""
 
     name = "engine"
@@ -270,16 +262,11 @@ class EngineSource(TransferSource):
         secret: bytes,
         *,
         scheme: str,
-        connect_timeout: float = 5.0,
-        io_timeout: float = 30.0,
-        ack_timeout: float = 30.0,
+        **options: Unpack[SourceOptions],
     ) -> None:
+        super().__init__(secret, **options)
         self.engine = engine
-        self.secret = secret
         self.scheme = scheme
-        self.connect_timeout = connect_timeout
-        self.io_timeout = io_timeout
-        self.ack_timeout = ack_timeout
         self._conns: ControlConnections[tuple[str, int], _Connection] = ControlConnections()
         self._lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None

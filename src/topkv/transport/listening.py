@@ -23,12 +23,17 @@ import socket
 import threading
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
-from typing import Generic, Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar, Unpack
 
 from topkv.transport import framing
 from topkv.transport.base import ReceivedKV, TransferDescriptor, TransferSink
 from topkv.transport.errors import FrameRejected, PeerDied, TransferTimeout, TransportError
 from topkv.transport.handshake import server_handshake
+from topkv.transport.options import (
+    DEFAULT_HANDSHAKE_TIMEOUT,
+    DEFAULT_IO_TIMEOUT,
+    SinkOptions,
+)
 from topkv.transport.receiving import (
     LayerMessage,
     ReceiveTable,
@@ -43,14 +48,19 @@ log = logging.getLogger(__name__)
 class ListeningSink(TransferSink):
     """A sink that accepts authenticated stream connections and serves each on a thread.
 
-    Subclasses call ``super().__init__`` first, set up their own state, then
-    :meth:`_listen` with their bound, listening socket (which starts accepting).
+    Subclasses call ``super().__init__`` first (with their :class:`SinkOptions`), set up
+    their own state, then :meth:`_listen` with their bound, listening socket (which starts
+    accepting).
     """
 
-    def __init__(self, secret: bytes, *, label: str, handshake_timeout: float) -> None:
+    def __init__(self, secret: bytes, *, label: str, **options: Unpack[SinkOptions]) -> None:
         self._secret = secret
         self._label = label  # names the threads and log lines: "shm", "tcp", "nixl", ...
-        self._handshake_timeout = handshake_timeout
+        self._on_layer = options.get("on_layer")
+        self._limits = options.get("limits") or framing.ReceiveLimits()
+        self._io_timeout = options.get("io_timeout", DEFAULT_IO_TIMEOUT)
+        self._handshake_timeout = options.get("handshake_timeout", DEFAULT_HANDSHAKE_TIMEOUT)
+        self._verify = options.get("verify", True)
         self._table = ReceiveTable()
         self._closed = threading.Event()
         self._conns: set[socket.socket] = set()
@@ -132,10 +142,11 @@ class OpenTransfer(Protocol):
     arrived: set[int]
 
 
+SinkT = TypeVar("SinkT", bound=ListeningSink)
 StateT = TypeVar("StateT", bound=OpenTransfer)
 
 
-class ControlSession(ABC, Generic[StateT]):
+class ControlSession(ABC, Generic[SinkT, StateT]):
     """Receiver side of one record-only control connection of a :class:`ListeningSink`.
 
     :meth:`run` reads records until the connection ends or the sink closes (with the I/O
@@ -144,22 +155,13 @@ class ControlSession(ABC, Generic[StateT]):
     ``transfers`` (after :meth:`_forget` of each) with the reason and its layer count.
     """
 
-    def __init__(
-        self,
-        sink: ListeningSink,
-        conn: socket.socket,
-        *,
-        limits: framing.ReceiveLimits,
-        io_timeout: float,
-    ) -> None:
+    def __init__(self, sink: SinkT, conn: socket.socket) -> None:
+        self.sink = sink
         self.conn = conn
         self.transfers: dict[int, StateT] = {}
         self.alive = True
-        self._sink = sink
         self._label = sink._label
         self._table = sink._table
-        self._limits = limits
-        self._io_timeout = io_timeout
         self._send_lock = threading.Lock()
 
     def send(self, record: bytes) -> None:
@@ -170,10 +172,11 @@ class ControlSession(ABC, Generic[StateT]):
                     send_buffers(self.conn, [record])
 
     def run(self) -> None:
+        closed, limits, io_timeout = self.sink._closed, self.sink._limits, self.sink._io_timeout
         try:
-            while not self._sink._closed.is_set():
-                self.conn.settimeout(self._io_timeout if self.transfers else None)
-                message = read_message(self.conn, self._limits)
+            while not closed.is_set():
+                self.conn.settimeout(io_timeout if self.transfers else None)
+                message = read_message(self.conn, limits)
                 if isinstance(message, TransferMessage):
                     self._open(message)
                 elif isinstance(message, LayerMessage):

@@ -19,7 +19,7 @@ from topkv.transport.base import (
     TransferResult,
     TransportMode,
 )
-from topkv.transport.errors import FrameRejected, TransportError
+from topkv.transport.errors import FrameRejected, TransferCancelled, TransportError
 
 
 @dataclass(frozen=True)
@@ -177,6 +177,40 @@ class QueuedOutgoing(OutgoingTransfer, Generic[ItemT]):
                     self._fail(FrameRejected(f"finish() with {missing} layers not sent"))
                 self._enqueue_finish()
         return self._future
+
+
+class HostOutgoing(QueuedOutgoing[LayerItem]):
+    """A queued transfer of host buffers whose sender threads stop at the first error
+    (shm, tcp).
+
+    Layers are checked as byte views (:func:`check_layer`). :meth:`_fail` keeps the first
+    error in ``_error`` and wakes the sender threads (:meth:`_wake`), which stop at their
+    next layer; :meth:`cancel` marks the transfer ``_cancelled`` and fails it.
+    """
+
+    def __init__(self, descriptor: TransferDescriptor) -> None:
+        super().__init__(descriptor)
+        self._cancelled = threading.Event()
+        self._error: BaseException | None = None
+
+    def _check(
+        self, layer: int, tensors: Sequence[Buffer], crcs: Sequence[int] | None
+    ) -> LayerItem:
+        return check_layer(self.descriptor, layer, tensors, crcs)
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+        self._fail(TransferCancelled(f"request {self.descriptor.request_id} cancelled"))
+
+    def _fail(self, error: BaseException) -> None:
+        with self._lock:
+            if self._error is None:
+                self._error = error
+        self._wake()
+
+    @abstractmethod
+    def _wake(self) -> None:
+        """Wake every sender thread (each then sees ``_error``, or its finish marker)."""
 
 
 class ControlConnection(Protocol):

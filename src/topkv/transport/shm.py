@@ -25,20 +25,17 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Unpack
 
 from topkv.transport import framing
 from topkv.transport.base import (
-    Buffer,
-    LayerCallback,
     LayerTensors,
     OutgoingTransfer,
     ReceivedKV,
     TransferDescriptor,
-    TransferSource,
     TransportMode,
 )
 from topkv.transport.copying import copy_into, copy_with_crc
@@ -55,6 +52,7 @@ from topkv.transport.errors import (
 )
 from topkv.transport.handshake import client_handshake
 from topkv.transport.listening import ControlSession, ListeningSink
+from topkv.transport.options import SinkOptions, SourceOptions, StreamSource
 from topkv.transport.receiving import (
     LayerMessage,
     TransferMessage,
@@ -63,7 +61,7 @@ from topkv.transport.receiving import (
     read_replies,
     status_for,
 )
-from topkv.transport.sending import ControlConnections, LayerItem, QueuedOutgoing, check_layer
+from topkv.transport.sending import ControlConnections, HostOutgoing, LayerItem
 from topkv.transport.shm_segments import (
     SEGMENT_DIR,
     create_segment,
@@ -239,19 +237,15 @@ class _Connection:
 _FINISH = object()
 
 
-class _ShmOutgoing(QueuedOutgoing[LayerItem]):
+class _ShmOutgoing(HostOutgoing):
+    """One worker thread copies the layers into a segment; it resolves the future (with
+    the first error, if any) once it stops copying."""
+
     def __init__(self, conn: _Connection, descriptor: TransferDescriptor) -> None:
         super().__init__(descriptor)
         self._conn = conn
         self._queue: queue.SimpleQueue[LayerItem | object] = queue.SimpleQueue()
-        self._cancelled = threading.Event()
-        self._error: BaseException | None = None
         threading.Thread(target=self._run, name="shm-send", daemon=True).start()
-
-    def _check(
-        self, layer: int, tensors: Sequence[Buffer], crcs: Sequence[int] | None
-    ) -> LayerItem:
-        return check_layer(self.descriptor, layer, tensors, crcs)
 
     def _enqueue(self, item: LayerItem) -> None:
         self._queue.put(item)
@@ -259,16 +253,7 @@ class _ShmOutgoing(QueuedOutgoing[LayerItem]):
     def _enqueue_finish(self) -> None:
         self._queue.put(_FINISH)
 
-    def cancel(self) -> None:
-        self._cancelled.set()
-        self._fail(TransferCancelled(f"request {self.descriptor.request_id} cancelled"))
-        self._queue.put(_FINISH)
-
-    def _fail(self, error: BaseException) -> None:
-        """Record the first error; the worker resolves the future once it stops copying."""
-        with self._lock:
-            if self._error is None:
-                self._error = error
+    def _wake(self) -> None:
         self._queue.put(_FINISH)
 
     def _run(self) -> None:
@@ -325,7 +310,7 @@ class _ShmOutgoing(QueuedOutgoing[LayerItem]):
                     self._future.set_exception(self._error)
 
 
-class ShmSource(TransferSource):
+class ShmSource(StreamSource):
     """Sends KV to :class:`ShmSink` instances on the same host."""
 
     name = "shm"
@@ -335,18 +320,13 @@ class ShmSource(TransferSource):
         self,
         secret: bytes,
         *,
-        connect_timeout: float = 5.0,
-        io_timeout: float = 30.0,
-        ack_timeout: float = 30.0,
         max_segments: int = 8,
         segment_dir: Path = SEGMENT_DIR,
+        **options: Unpack[SourceOptions],
     ) -> None:
         if not segment_dir.is_dir():
             raise TransportUnavailable(f"shared-memory directory {segment_dir} does not exist")
-        self.secret = secret
-        self.connect_timeout = connect_timeout
-        self.io_timeout = io_timeout
-        self.ack_timeout = ack_timeout
+        super().__init__(secret, **options)
         self.max_segments = max_segments
         self.segment_dir = segment_dir
         self._conns: ControlConnections[str, _Connection] = ControlConnections()
@@ -389,18 +369,10 @@ class ShmSink(ListeningSink):
         secret: bytes,
         socket_path: str | None = None,
         *,
-        on_layer: LayerCallback | None = None,
-        limits: framing.ReceiveLimits | None = None,
-        io_timeout: float = 30.0,
-        handshake_timeout: float = 5.0,
-        verify: bool = True,
         segment_dir: Path = SEGMENT_DIR,
+        **options: Unpack[SinkOptions],
     ) -> None:
-        super().__init__(secret, label="shm", handshake_timeout=handshake_timeout)
-        self._on_layer = on_layer
-        self._limits = limits or framing.ReceiveLimits()
-        self._io_timeout = io_timeout
-        self._verify = verify
+        super().__init__(secret, label="shm", **options)
         self._segment_dir = segment_dir
         self._tmpdir: str | None = None
         if socket_path is None:
@@ -431,12 +403,11 @@ class ShmSink(ListeningSink):
         _SinkSession(self, conn).run()
 
 
-class _SinkSession(ControlSession[_Incoming]):
-    """Receiver side of one control connection."""
+class _SinkSession(ControlSession[ShmSink, _Incoming]):
+    """Receiver side of one control connection: layers land in the sender's segments."""
 
     def __init__(self, sink: ShmSink, conn: socket.socket) -> None:
-        super().__init__(sink, conn, limits=sink._limits, io_timeout=sink._io_timeout)
-        self.sink = sink
+        super().__init__(sink, conn)
         self.segments: dict[int, memoryview] = {}
         self.announced: list[str] = []
 

@@ -24,18 +24,16 @@ import logging
 import queue
 import socket
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Unpack
 
 from topkv.transport import framing
 from topkv.transport.base import (
-    Buffer,
-    LayerCallback,
     LayerTensors,
     OutgoingTransfer,
     ReceivedKV,
     TransferDescriptor,
-    TransferSource,
     TransportMode,
 )
 from topkv.transport.errors import (
@@ -48,6 +46,7 @@ from topkv.transport.errors import (
 )
 from topkv.transport.handshake import client_handshake
 from topkv.transport.listening import ListeningSink
+from topkv.transport.options import SinkOptions, SourceOptions, StreamSource
 from topkv.transport.receiving import (
     Allocator,
     HostAllocator,
@@ -58,7 +57,7 @@ from topkv.transport.receiving import (
     recv_verified,
     status_for,
 )
-from topkv.transport.sending import LayerItem, QueuedOutgoing, check_layer, layer_crcs
+from topkv.transport.sending import HostOutgoing, LayerItem, layer_crcs
 from topkv.transport.sockio import recv_exactly, send_buffers, set_io_timeout
 
 log = logging.getLogger(__name__)
@@ -117,19 +116,11 @@ class TcpSink(ListeningSink):
         host: str = "127.0.0.1",
         port: int = 0,
         *,
-        on_layer: LayerCallback | None = None,
         allocator: Allocator | None = None,
-        limits: framing.ReceiveLimits | None = None,
-        io_timeout: float = 30.0,
-        handshake_timeout: float = 5.0,
-        verify: bool = True,
+        **options: Unpack[SinkOptions],
     ) -> None:
-        super().__init__(secret, label="tcp", handshake_timeout=handshake_timeout)
-        self._on_layer = on_layer
+        super().__init__(secret, label="tcp", **options)
         self.allocator: Allocator = allocator or HostAllocator()
-        self._limits = limits or framing.ReceiveLimits()
-        self._io_timeout = io_timeout
-        self._verify = verify
         self._incoming: dict[int, _Incoming] = {}
         self._lock = threading.Lock()
         listener = socket.create_server((host, port), backlog=128)
@@ -357,7 +348,9 @@ class _Pool:
 _FINISH = object()
 
 
-class _TcpOutgoing(QueuedOutgoing[LayerItem]):
+class _TcpOutgoing(HostOutgoing):
+    """A checksum stage feeds the layers to one thread per stream, round robin."""
+
     def __init__(self, source: TcpSource, descriptor: TransferDescriptor, destination: str):
         super().__init__(descriptor)
         self._source = source
@@ -366,9 +359,7 @@ class _TcpOutgoing(QueuedOutgoing[LayerItem]):
         self._queues: list[queue.SimpleQueue[LayerItem | object]] = [
             queue.SimpleQueue() for _ in range(self._streams)
         ]
-        self._cancelled = threading.Event()
         self._streams_left = self._streams
-        self._error: BaseException | None = None
         self._header = framing.encode_transfer_header(descriptor, self._streams)
         # Checksum stage: computes the CRCs of layer l+1 while a stream sends layer l (the
         # layer is then still in the last-level cache when the kernel copies it).
@@ -380,28 +371,13 @@ class _TcpOutgoing(QueuedOutgoing[LayerItem]):
                 target=self._run_stream, args=(index,), name="tcp-send", daemon=True
             ).start()
 
-    def _check(
-        self, layer: int, tensors: Sequence[Buffer], crcs: Sequence[int] | None
-    ) -> LayerItem:
-        return check_layer(self.descriptor, layer, tensors, crcs)
-
     def _enqueue(self, item: LayerItem) -> None:
         self._pending.put(item)
 
     def _enqueue_finish(self) -> None:
         self._pending.put(_FINISH)
 
-    def cancel(self) -> None:
-        self._cancelled.set()
-        self._fail(TransferCancelled(f"request {self.descriptor.request_id} cancelled"))
-        for q in self._queues:
-            q.put(_FINISH)
-
-    def _fail(self, error: BaseException) -> None:
-        """Record the first error; every stream stops at its next layer boundary."""
-        with self._lock:
-            if self._error is None:
-                self._error = error
+    def _wake(self) -> None:
         self._pending.put(_FINISH)
         for q in self._queues:
             q.put(_FINISH)
@@ -508,7 +484,7 @@ def _explain(sock: socket.socket, error: TransportError) -> TransportError:
     return error
 
 
-class TcpSource(TransferSource):
+class TcpSource(StreamSource):
     """Sends KV to :class:`TcpSink` instances over pooled, authenticated connections."""
 
     name = "tcp"
@@ -519,17 +495,14 @@ class TcpSource(TransferSource):
         secret: bytes,
         *,
         streams: int = 1,
-        connect_timeout: float = 5.0,
-        io_timeout: float = 30.0,
-        ack_timeout: float = 30.0,
         max_idle_connections: int = 16,
+        **options: Unpack[SourceOptions],
     ) -> None:
         if streams < 1:
             raise TransportError(f"streams must be >= 1, got {streams}")
+        super().__init__(secret, **options)
         self.streams = streams
-        self.io_timeout = io_timeout
-        self.ack_timeout = ack_timeout
-        self.pool = _Pool(secret, connect_timeout, max_idle_connections)
+        self.pool = _Pool(secret, self.connect_timeout, max_idle_connections)
 
     def open(self, descriptor: TransferDescriptor, destination: str) -> OutgoingTransfer:
         return _TcpOutgoing(self, descriptor, destination)
