@@ -222,46 +222,77 @@ _IBSTAT_PORT = re.compile(r"^\s*Port\s+(\d+)\s*:\s*$", re.IGNORECASE)
 _FIELD = re.compile(r"^\s*([A-Za-z_][\w \[\]/-]*?)\s*:\s*(.*?)\s*$")
 
 
+#: Makes one port's record: (device, port number, device fields, port fields) -> port.
+_PortMaker = Callable[[str, int, dict[str, str], dict[str, str]], RdmaPort]
+
+
+class _DeviceSections:
+    """The device > port sections of ``ibstat`` and ``ibv_devinfo``.
+
+    A field lands in the open port's fields, or in its device's before the device's first
+    port (the first of repeated keys wins); each port becomes a record (``make``) when the
+    next section starts or the text ends. Fields before the first device are dropped.
+    """
+
+    def __init__(self, make: _PortMaker) -> None:
+        self.device: str | None = None
+        self._make = make
+        self._ports: list[RdmaPort] = []
+        self._device_fields: dict[str, str] = {}
+        self._port: int | None = None
+        self._port_fields: dict[str, str] = {}
+
+    def start_device(self, name: str) -> None:
+        self._flush()
+        self.device, self._device_fields, self._port, self._port_fields = name, {}, None, {}
+
+    def start_port(self, number: int) -> None:
+        self._flush()
+        self._port, self._port_fields = number, {}
+
+    def field(self, key: str, value: str) -> None:
+        target = self._device_fields if self._port is None else self._port_fields
+        target.setdefault(key, value)
+
+    def finish(self, tool: str, lines: list[str]) -> list[RdmaPort]:
+        """The ports found (raises :class:`ParseError` when text without devices had none)."""
+        self._flush()
+        return self._ports if self._ports else _none_found(tool, lines)
+
+    def _flush(self) -> None:
+        if self.device is not None and self._port is not None:
+            port = self._make(self.device, self._port, self._device_fields, self._port_fields)
+            self._ports.append(port)
+
+
 def parse_ibstat(text: str) -> list[RdmaPort]:
     """Parse ``ibstat`` (all CAs or one). CAs cut before their ``Port N:`` section are dropped."""
     lines = clean_lines(text)
-    ports: list[RdmaPort] = []
-    device: str | None = None
-    ca: dict[str, str] = {}
-    port_no: int | None = None
-    port_fields: dict[str, str] = {}
-
-    def flush() -> None:
-        if device is not None and port_no is not None:
-            ports.append(
-                RdmaPort(
-                    device=device,
-                    port=port_no,
-                    state=normalize_state(port_fields.get("state")),
-                    phys_state=normalize_phys_state(port_fields.get("physical state")),
-                    link_layer=normalize_link_layer(port_fields.get("link layer")),
-                    rate_gbps=parse_rate_gbps(port_fields.get("rate")),
-                    netdev=None,
-                    node_guid=normalize_guid(ca.get("node guid")),
-                    lid=_parse_int(port_fields.get("base lid")),
-                    fw_version=ca.get("firmware version") or None,
-                    ca_type=ca.get("ca type") or None,
-                )
-            )
-
+    found = _DeviceSections(_ibstat_port)
     for line in lines:
         if m := _IBSTAT_CA.match(line):
-            flush()
-            device, ca, port_no, port_fields = m.group(1).strip(), {}, None, {}
-        elif (m := _IBSTAT_PORT.match(line)) and device is not None:
-            flush()
-            port_no, port_fields = _port_number(m.group(1), "ibstat"), {}
-        elif (m := _FIELD.match(line)) and device is not None:
-            key = re.sub(r"\s+", " ", m.group(1).lower())
-            target = ca if port_no is None else port_fields
-            target.setdefault(key, m.group(2))
-    flush()
-    return ports if ports else _none_found("ibstat", lines)
+            found.start_device(m.group(1).strip())
+        elif (m := _IBSTAT_PORT.match(line)) and found.device is not None:
+            found.start_port(_port_number(m.group(1), "ibstat"))
+        elif (m := _FIELD.match(line)) and found.device is not None:
+            found.field(re.sub(r"\s+", " ", m.group(1).lower()), m.group(2))
+    return found.finish("ibstat", lines)
+
+
+def _ibstat_port(device: str, port: int, ca: dict[str, str], fields: dict[str, str]) -> RdmaPort:
+    return RdmaPort(
+        device=device,
+        port=port,
+        state=normalize_state(fields.get("state")),
+        phys_state=normalize_phys_state(fields.get("physical state")),
+        link_layer=normalize_link_layer(fields.get("link layer")),
+        rate_gbps=parse_rate_gbps(fields.get("rate")),
+        netdev=None,
+        node_guid=normalize_guid(ca.get("node guid")),
+        lid=_parse_int(fields.get("base lid")),
+        fw_version=ca.get("firmware version") or None,
+        ca_type=ca.get("ca type") or None,
+    )
 
 
 # --------------------------------------------------------------------------- ibv_devinfo
@@ -301,52 +332,41 @@ def _devinfo_rate(port_fields: dict[str, str]) -> float | None:
 def parse_ibv_devinfo(text: str) -> list[RdmaPort]:
     """Parse ``ibv_devinfo`` (plain or ``-v``); the rate is known only with ``-v``."""
     lines = clean_lines(text)
-    ports: list[RdmaPort] = []
-    device: str | None = None
-    dev: dict[str, str] = {}
-    port_no: int | None = None
-    port_fields: dict[str, str] = {}
-
-    def flush() -> None:
-        if device is None or port_no is None:
-            return
-        ca_type = None
-        part = dev.get("vendor_part_id", "").strip()
-        if part.isdigit() and dev.get("vendor_id", "").strip().lower() in {"0x02c9", "0x15b3"}:
-            ca_type = f"MT{part}"  # Mellanox/NVIDIA: ibstat's "CA type" is MT<part id>
-        ports.append(
-            RdmaPort(
-                device=device,
-                port=port_no,
-                state=normalize_state(port_fields.get("state")),
-                phys_state=normalize_phys_state(port_fields.get("phys_state")),
-                link_layer=normalize_link_layer(port_fields.get("link_layer")),
-                rate_gbps=_devinfo_rate(port_fields),
-                netdev=None,
-                node_guid=normalize_guid(dev.get("node_guid")),
-                lid=_parse_int(port_fields.get("port_lid")),
-                fw_version=dev.get("fw_ver") or None,
-                ca_type=ca_type,
-            )
-        )
-
+    found = _DeviceSections(_devinfo_port)
     for line in lines:
         m = _FIELD.match(line)
         if not m:
             continue
         key, value = m.group(1).strip().lower(), m.group(2)
         if key == "hca_id" and value:
-            flush()
-            device, dev, port_no, port_fields = value.split()[0], {}, None, {}
-        elif device is None:
+            found.start_device(value.split()[0])
+        elif found.device is None:
             continue
         elif key == "port" and value.isdigit():
-            flush()
-            port_no, port_fields = _port_number(value, "ibv_devinfo"), {}
+            found.start_port(_port_number(value, "ibv_devinfo"))
         else:
-            (dev if port_no is None else port_fields).setdefault(key, value)
-    flush()
-    return ports if ports else _none_found("ibv_devinfo", lines)
+            found.field(key, value)
+    return found.finish("ibv_devinfo", lines)
+
+
+def _devinfo_port(device: str, port: int, dev: dict[str, str], fields: dict[str, str]) -> RdmaPort:
+    ca_type = None
+    part = dev.get("vendor_part_id", "").strip()
+    if part.isdigit() and dev.get("vendor_id", "").strip().lower() in {"0x02c9", "0x15b3"}:
+        ca_type = f"MT{part}"  # Mellanox/NVIDIA: ibstat's "CA type" is MT<part id>
+    return RdmaPort(
+        device=device,
+        port=port,
+        state=normalize_state(fields.get("state")),
+        phys_state=normalize_phys_state(fields.get("phys_state")),
+        link_layer=normalize_link_layer(fields.get("link_layer")),
+        rate_gbps=_devinfo_rate(fields),
+        netdev=None,
+        node_guid=normalize_guid(dev.get("node_guid")),
+        lid=_parse_int(fields.get("port_lid")),
+        fw_version=dev.get("fw_ver") or None,
+        ca_type=ca_type,
+    )
 
 
 # --------------------------------------------------------------------------- ibstatus
