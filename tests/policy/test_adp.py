@@ -210,10 +210,11 @@ def test_rush_ends_after_the_hold_time_calm_and_only_then() -> None:
     calm_from = None
     for _ in range(120):
         clock.advance(1.0)
-        det.observe_arrival(1000.0)
+        det.observe_arrival(500.0)  # demand halves
         det.observe_ttft(0.1)
         s = det.update(queue_depth=depth)
-        if s.passing == 0 and calm_from is None:
+        calm = s.passing == 0 and s.velocity <= cfg.release_velocity_ratio * det.onset_velocity
+        if calm and calm_from is None:
             calm_from = clock.now()
         if not det.in_rush and ended_at is None:
             ended_at = clock.now()
@@ -221,6 +222,21 @@ def test_rush_ends_after_the_hold_time_calm_and_only_then() -> None:
     assert ended_at - calm_from == pytest.approx(cfg.hold_s)
     assert det.periods[-1] == (det.periods[-1][0], ended_at)
     assert not det.in_rush
+
+
+def test_rush_lasts_while_the_demand_that_caused_it_does() -> None:
+    """Converted workers calm the signals; with demand unchanged the rush must not end
+    (or the pools would convert back into the same overload and flap)."""
+    cfg = ADPConfig(ttft_window_s=5.0, hold_s=30.0)
+    det, clock, _ = _rush_then_flicker(cfg)
+    calm = 0
+    for _ in range(300):
+        clock.advance(1.0)
+        det.observe_arrival(1000.0)  # the same demand as at the onset
+        det.observe_ttft(0.1)
+        calm += det.update(queue_depth=10_000).passing == 0
+    assert calm >= 280  # the signals are calm (after the queue window) ...
+    assert det.in_rush and len(det.periods) == 1  # ... and the rush goes on
 
 
 @settings(max_examples=40, deadline=None)

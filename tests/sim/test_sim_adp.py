@@ -94,6 +94,10 @@ def test_no_conversion_on_a_calm_load() -> None:
     on = run_policy(_config(True), load, "paper")
     assert on.conversions == 0 and on.rush_periods == []
     assert on.prefill_workers_min == on.prefill_workers_max == 4
+    # and without a conversion the ADP changes nothing: same routes, transports, figures
+    off = run_policy(_config(False), load, "paper")
+    assert on.count_by_transport == off.count_by_transport == {"nvlink": len(load)}
+    assert on.summary() == off.summary()
 
 
 def test_adp_off_is_unchanged_by_the_adp_code() -> None:

@@ -18,9 +18,11 @@ Pieces:
   3. P99 TTFT of the first tokens seen in a window over the TTFT target.
 
   A rush *starts* when at least ``min_signals`` (2) of the 3 pass together. It *ends*
-  only once every signal has stayed below its threshold for ``hold_s`` without a break
-  (a Schmitt trigger: 2 to enter, 0 to leave, plus a hold), so the pools do not flap
-  when converted workers drain the queue and the growth signal drops.
+  only once every signal has stayed below its threshold, and the fast velocity at or
+  below ``release_velocity_ratio`` (80%) of its value at the rush's start, for ``hold_s``
+  without a break (a Schmitt trigger: 2 to enter, 0 to leave, plus a hold), so the pools
+  do not flap when converted workers drain the queue and the signals drop while the
+  load that caused the rush is still there.
 * :func:`plan_conversions`: while the start condition holds, convert one more decode
   worker to prefill per update (idle first, then the least loaded), never beyond
   ``max_convert_share`` of the native decode pool and never the last decode worker;
@@ -90,6 +92,12 @@ class ADPConfig:
     #: short against the 10 s target conversion time times the few conversions, so the
     #: pool neither flaps nor stays converted long after the load is gone.
     hold_s: float = 30.0
+    #: A rush also needs demand to fall before it ends: the fast velocity at most 80% of
+    #: what it was when the rush began. Converted workers relieve the signals, not the
+    #: load; releasing on the signals alone converts back into the same overload and
+    #: flaps (measured: five rushes within the first 10 minutes of a constant-rate
+    #: ServeGen m-large window). 80% leaves margin for the EMA's noise (module tests).
+    release_velocity_ratio: float = 0.8
     #: Most of the native decode pool that may be converted at once: 50%, so at least
     #: half the decode capacity (and KV memory) stays for the sequences in flight; the
     #: TPOT cost of a smaller decode pool grows fast beyond that.
@@ -128,6 +136,10 @@ class ADPConfig:
             raise PolicyInputError(f"ADP min_signals {self.min_signals} must be 1, 2 or 3")
         if not 0 <= self.max_convert_share <= 1:
             raise PolicyInputError(f"ADP max_convert_share {self.max_convert_share} not in [0,1]")
+        if not 0 < self.release_velocity_ratio <= 1e9:
+            raise PolicyInputError(
+                f"ADP release_velocity_ratio {self.release_velocity_ratio} must be > 0"
+            )
         if not 0 <= self.decode_reserve < 1:
             raise PolicyInputError(f"ADP decode_reserve {self.decode_reserve} not in [0, 1)")
         if self.chunk_tokens < 1 or self.convert_step < 1:
@@ -184,6 +196,8 @@ class Signals:
 
     at: float
     queue_growth_per_s: float
+    #: the fast token velocity (tokens/s) and its ratio to the slow one
+    velocity: float
     velocity_ratio: float
     ttft_p99_s: float | None
     queue_high: bool
@@ -216,6 +230,7 @@ class RushDetector:
         self._ttfts: deque[tuple[float, float]] = deque()
         self.in_rush = False
         self._calm_since: float | None = None
+        self._onset_velocity = 0.0
         self.periods: list[tuple[float, float | None]] = []
         self.last: Signals | None = None
 
@@ -248,6 +263,7 @@ class RushDetector:
         return Signals(
             at=now,
             queue_growth_per_s=growth,
+            velocity=fast,
             velocity_ratio=ratio,
             ttft_p99_s=tail,
             queue_high=growth > cfg.queue_growth_per_s,
@@ -264,9 +280,11 @@ class RushDetector:
             if s.passing >= self.config.min_signals:
                 self.in_rush = True
                 self._calm_since = None
+                self._onset_velocity = s.velocity
                 self.periods.append((now, None))
             return s
-        if s.passing:
+        demand_fell = s.velocity <= self.config.release_velocity_ratio * self._onset_velocity
+        if s.passing or not demand_fell:
             self._calm_since = None
         elif self._calm_since is None:
             self._calm_since = now
@@ -275,6 +293,11 @@ class RushDetector:
             self.periods[-1] = (self.periods[-1][0], now)
             self._calm_since = None
         return s
+
+    @property
+    def onset_velocity(self) -> float:
+        """The fast velocity when the current (or last) rush began, tokens/s."""
+        return self._onset_velocity
 
     @property
     def pressure(self) -> bool:

@@ -47,8 +47,8 @@ class AdaptiveHost(Protocol):
     compute: ComputeModel
     prefill_pool: list[Instance]
     max_decode_batch: int
-    _local: dict[int, list[DecodeState]]
-    _remote: dict[int, list[DecodeState]]
+    _local: dict[str, list[DecodeState]]
+    _remote: dict[str, list[DecodeState]]
 
     def _dispatch(self) -> None: ...
 
@@ -102,8 +102,8 @@ class AdpDriver:
                     or (g.domain is not None and o.inst.gpus[0].domain == g.domain)
                 )
             ]
-            host._local[d.inst.iid] = near
-            host._remote[d.inst.iid] = [o for o in host.decodes if o is not d and o not in near]
+            host._local[d.inst.name] = near
+            host._remote[d.inst.name] = [o for o in host.decodes if o is not d and o not in near]
         self._ticking = False
 
     # -- observations ------------------------------------------------------------------

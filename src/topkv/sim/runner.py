@@ -148,9 +148,11 @@ class Simulation:
 
     # -- setup -------------------------------------------------------------------------
 
-    def _partition_decodes(self) -> tuple[dict[int, list[_Decode]], dict[int, list[_Decode]]]:
-        local: dict[int, list[_Decode]] = {}
-        remote: dict[int, list[_Decode]] = {}
+    def _partition_decodes(self) -> tuple[dict[str, list[_Decode]], dict[str, list[_Decode]]]:
+        """Decode instances near (same node or NVLink domain) each prefill instance and the
+        rest, keyed by instance name (unique across pools: iids restart per pool)."""
+        local: dict[str, list[_Decode]] = {}
+        remote: dict[str, list[_Decode]] = {}
         for p in self.cluster.prefill:
             g = p.gpus[0]
             near = [
@@ -159,8 +161,8 @@ class Simulation:
                 if d.inst.gpus[0].node == g.node
                 or (g.domain is not None and d.inst.gpus[0].domain == g.domain)
             ]
-            local[p.iid] = near
-            remote[p.iid] = [d for d in self.decodes if d not in near]
+            local[p.name] = near
+            remote[p.name] = [d for d in self.decodes if d not in near]
         return local, remote
 
     def _kv_need(self, req: Request) -> float:
@@ -243,8 +245,8 @@ class Simulation:
         self, inst: Instance, r: _Req, need: float
     ) -> tuple[_Decode, PathCandidate, str] | None:
         src = inst.gpus[0]
-        candidates = self._shortlist(self._local[inst.iid], need)
-        candidates.extend(self._shortlist(self._remote[inst.iid], need))
+        candidates = self._shortlist(self._local[inst.name], need)
+        candidates.extend(self._shortlist(self._remote[inst.name], need))
         if not candidates:
             return None
         by_id = {d.inst.name: d for d in candidates}
