@@ -23,9 +23,9 @@ WORKER_PASSWORD = "worker-Zx9-pw"
 OTHER_PASSWORD = "other-Zx9-pw"
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return int(s.getsockname()[1])
 
 
@@ -43,13 +43,16 @@ def start_etcd(
     tls: tuple[Path, Path, Path] | None = None,
     client_cert: tuple[str, str] | None = None,
     extra: tuple[str, ...] = (),
+    host: str = "127.0.0.1",
+    netns: str | None = None,
 ) -> Etcd:
-    """etcd on free loopback ports; ``tls`` = (ca, server cert, server key) serves HTTPS."""
+    """etcd on free ports of ``host`` (loopback unless given, inside ``netns`` if given);
+    ``tls`` = (ca, server cert, server key) serves HTTPS."""
     binary = shutil.which("etcd")
     if binary is None:
         pytest.skip("etcd binary not installed (apt-get install etcd-server); .ci/run installs it")
-    client_port, peer_port = free_port(), free_port()
-    client = f"{'https' if tls else 'http'}://127.0.0.1:{client_port}"
+    client_port, peer_port = free_port(host), free_port()
+    client = f"{'https' if tls else 'http'}://{host}:{client_port}"
     peer = f"http://127.0.0.1:{peer_port}"
     args = [
         binary,
@@ -64,6 +67,9 @@ def start_etcd(
     ]
     if tls is not None:
         args += [f"--cert-file={tls[1]}", f"--key-file={tls[2]}"]
+    if netns is not None:
+        args = ["ip", "netns", "exec", netns, *args]
+    workdir.mkdir(parents=True, exist_ok=True)
     log = workdir / f"{name}.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
