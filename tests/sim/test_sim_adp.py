@@ -15,6 +15,7 @@ from topkv.cli.sim import register
 from topkv.kv.catalog import get_model
 from topkv.policy.adp import ADPConfig
 from topkv.sim.cluster import load_cluster_spec
+from topkv.sim.report import SimReport, pool_series, rush_spans
 from topkv.sim.result import PolicyResult
 from topkv.sim.runner import SimConfig, run_policy
 from topkv.traces import Request, Workload
@@ -206,3 +207,25 @@ def test_cli_pd_ratio_sweep_names_the_best_static_split(tmp_path: Path) -> None:
     assert policies["paper"]["ttft_p99_ms"] == pytest.approx(
         next(e for e in sweep if e["pd_ratio"] == "1:1")["ttft_p99_ms"]
     )
+
+
+def test_report_plots_pools_and_queue_with_rushes_shaded(
+    step_runs: tuple[PolicyResult, PolicyResult], tmp_path: Path
+) -> None:
+    off, on = step_runs
+    series = pool_series(on)
+    assert len(series["t"]) == len(on.pool_series) > 0
+    assert max(series["prefill_workers"]) == on.prefill_workers_max > 4
+    assert max(series["queue_depth"]) > 0
+    spans = rush_spans(on)
+    assert spans and all(0 <= s < e <= on.sim_seconds for s, e in spans)
+    # the rush covers the step's start; shading ends where the detector said it did
+    assert any(s <= STEP[0] + 30 and e > STEP[0] for s, e in spans)
+    report = SimReport("step", "4x-dgx-h100", "Llama-3-70B", 1, [off, on], 1.0)
+    written = {p.name for p in report.write(tmp_path)}
+    assert "adp_pools.png" in written
+    assert (tmp_path / "adp_pools.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "adp_pools.png" in (tmp_path / "index.html").read_text()
+    # without an ADP run, no pool plot
+    plain = SimReport("step", "4x-dgx-h100", "Llama-3-70B", 1, [off], 1.0)
+    assert "adp_pools.png" not in {p.name for p in plain.write(tmp_path / "plain")}

@@ -115,12 +115,16 @@ class SimReport:
         return table
 
     def write(self, directory: Path, top_links: int = 8) -> list[Path]:
-        """Write ``ttft_cdf.png``, ``link_utilization.png``, ``summary.json``, ``index.html``."""
+        """Write ``ttft_cdf.png``, ``link_utilization.png``, ``summary.json``, ``index.html``,
+        and ``adp_pools.png`` when a run had the Adaptive Decoder Pool on."""
         directory.mkdir(parents=True, exist_ok=True)
         written = [
             self._ttft_cdf(directory / "ttft_cdf.png"),
             self._utilization(directory / "link_utilization.png", top_links),
         ]
+        adaptive = [r for r in self.results if r.adp]
+        if adaptive:
+            written.append(self._pools(directory / "adp_pools.png", adaptive))
         summary = directory / "summary.json"
         doc = self.to_json()
         doc["details"] = {
@@ -175,6 +179,25 @@ class SimReport:
         plt.close(fig)
         return path
 
+    def _pools(self, path: Path, runs: list[PolicyResult]) -> Path:
+        """Per ADP run: prefill workers and prefill queue depth over time, rushes shaded."""
+        fig, axes = plt.subplots(len(runs), 1, figsize=(8, 2.8 * len(runs)), squeeze=False)
+        for ax, r in zip(axes[:, 0], runs, strict=True):
+            series = pool_series(r)
+            ax.step(series["t"], series["prefill_workers"], where="post", color="C0")
+            ax.set_ylabel("prefill workers", color="C0")
+            depth = ax.twinx()
+            depth.plot(series["t"], series["queue_depth"], color="C1", lw=0.8)
+            depth.set_ylabel("prefill queue depth", color="C1")
+            for start, end in rush_spans(r):
+                ax.axvspan(start, end, color="C3", alpha=0.15, lw=0)
+            ax.set_title(f"pools: {self._label(r)} (shaded: rush)", fontsize=9)
+        axes[-1, 0].set_xlabel("simulated time (s)")
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return path
+
     def _html(self, doc: dict[str, object]) -> str:
         rows = []
         for r in self.results:
@@ -210,12 +233,31 @@ class SimReport:
             f"<table><tr>{head}</tr>{''.join(rows)}</table>"
             "<h2>TTFT CDF</h2><img src='ttft_cdf.png'>"
             "<h2>Link utilization</h2><img src='link_utilization.png'>"
-            f"<h2>JSON</h2><pre>{html.escape(dumps(doc, indent=2))}</pre>"
+            + (
+                "<h2>Adaptive Decoder Pool</h2><img src='adp_pools.png'>"
+                if any(r.adp for r in self.results)
+                else ""
+            )
+            + f"<h2>JSON</h2><pre>{html.escape(dumps(doc, indent=2))}</pre>"
             "</body></html>"
         )
 
 
-#: The first columns of the summary table and of the HTML report.
+def pool_series(r: PolicyResult) -> dict[str, list[float]]:
+    """The pool plot's lines: time, prefill workers and prefill queue depth per ADP tick."""
+    return {
+        "t": [t for t, _, _ in r.pool_series],
+        "prefill_workers": [float(n) for _, n, _ in r.pool_series],
+        "queue_depth": [float(q) for _, _, q in r.pool_series],
+    }
+
+
+def rush_spans(r: PolicyResult) -> list[tuple[float, float]]:
+    """The shaded rush periods, simulated seconds; a rush still on at the end of the
+    run is shaded to its end."""
+    return [(start, r.sim_seconds if end is None else end) for start, end in r.rush_periods]
+
+
 def sweep_entry(pd_ratio: tuple[int, int], r: PolicyResult) -> dict[str, object]:
     """One static split of ``--pd-ratio sweep``: its ratio (as ``P:D`` instances) and
     TTFT/TPOT percentiles, plus the policy it ran under."""
