@@ -27,7 +27,7 @@ from pydantic import ValidationError
 
 from topkv.errors import ConfigError
 from topkv.inputs import parse_json
-from topkv.policy.pairs import gpu_port, host_network, nic_port
+from topkv.policy.pairs import assemble_view, gpu_port, host_network, nic_pairs, nic_port
 from topkv.policy.view import Endpoint, PairView, PathCandidate
 from topkv.topology import paths
 from topkv.topology.model import NIC, Cluster, Node, Transport
@@ -107,8 +107,7 @@ def pair_view_from_cluster(cluster: Cluster, src: Endpoint, dst: Endpoint) -> Pa
     src_nics, dst_nics = _usable_nics(cluster, src), _usable_nics(cluster, dst)
     rdma_available = bool(src_nics and dst_nics)
     if rdma_available:
-        for i, nic in enumerate(src_nics):
-            peer = dst_nics[i % len(dst_nics)]
+        for nic, peer in nic_pairs(src_nics, dst_nics):
             nics = (nic_port(src.node, nic.name), nic_port(dst.node, peer.name))
             gbps = _rdma_gbps(cluster, src, nic, dst, peer)
             latency = paths.LATENCY_S[Transport.RDMA]
@@ -118,14 +117,13 @@ def pair_view_from_cluster(cluster: Cluster, src: Endpoint, dst: Endpoint) -> Pa
     candidates.append(
         PathCandidate("tcp", paths.TCP_BANDWIDTH_GBPS, paths.LATENCY_S[Transport.TCP], tcp_links)
     )
-    return PairView(
-        src=src,
-        dst=dst,
+    return assemble_view(
+        src,
+        dst,
+        candidates,
         same_nvlink_domain=same_domain,
-        same_node=same_node,
         rdma_available=rdma_available,
         tcp_available=True,
-        candidates=tuple(candidates),
     )
 
 

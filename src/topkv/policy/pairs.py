@@ -14,11 +14,15 @@ which every path but NVLink crosses.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import TypeVar
 
 from topkv.planner.transports import DEFAULT_TRANSPORTS, TransportSpec
 from topkv.policy.errors import PolicyInputError
 from topkv.policy.view import NVLINK_FAMILY, Endpoint, PairView, PathCandidate
+
+N = TypeVar("N")
+M = TypeVar("M")
 
 
 def gpu_port(endpoint: Endpoint, kind: str) -> str:
@@ -38,6 +42,33 @@ def host_network(node: str) -> str:
 
 def _unique(links: Sequence[str]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(links))
+
+
+def nic_pairs(src_nics: Sequence[N], dst_nics: Sequence[M]) -> Iterator[tuple[N, M]]:
+    """Each source NIC with the destination NIC it sends to: the destination's NICs are
+    taken in turn, so every source NIC gets a path (one RDMA candidate per source NIC)."""
+    return ((nic, dst_nics[i % len(dst_nics)]) for i, nic in enumerate(src_nics))
+
+
+def assemble_view(
+    src: Endpoint,
+    dst: Endpoint,
+    candidates: Iterable[PathCandidate],
+    *,
+    same_nvlink_domain: bool,
+    rdma_available: bool,
+    tcp_available: bool,
+) -> PairView:
+    """The pair view of ``candidates`` (same node is read off the endpoints)."""
+    return PairView(
+        src,
+        dst,
+        same_nvlink_domain,
+        src.node == dst.node,
+        rdma_available,
+        tcp_available,
+        tuple(candidates),
+    )
 
 
 def pair_view_from_facts(
@@ -82,19 +113,17 @@ def pair_view_from_facts(
     if same_node:
         candidates.append(path("pcie", pcie_ports))
     if rdma_available:
-        for i, nic in enumerate(src_nics):
-            peer = dst_nics[i % len(dst_nics)]
+        for nic, peer in nic_pairs(src_nics, dst_nics):
             nics = [nic_port(src.node, nic), nic_port(dst.node, peer)]
             candidates.append(path("rdma", nics + pcie_ports))
     if tcp_available:
         hosts = [host_network(src.node), host_network(dst.node)]
         candidates.append(path("tcp", hosts + pcie_ports))
-    return PairView(
-        src=src,
-        dst=dst,
+    return assemble_view(
+        src,
+        dst,
+        candidates,
         same_nvlink_domain=same_nvlink_domain,
-        same_node=same_node,
         rdma_available=rdma_available,
         tcp_available=tcp_available,
-        candidates=tuple(candidates),
     )
