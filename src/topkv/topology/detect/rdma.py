@@ -279,20 +279,53 @@ def parse_ibstat(text: str) -> list[RdmaPort]:
     return found.finish("ibstat", lines)
 
 
-def _ibstat_port(device: str, port: int, ca: dict[str, str], fields: dict[str, str]) -> RdmaPort:
+@dataclass(frozen=True)
+class _FieldNames:
+    """One tool's names for the port fields (state .. lid) and device fields (node GUID,
+    firmware) that an :class:`RdmaPort` reads."""
+
+    state: str
+    phys_state: str
+    link_layer: str
+    lid: str
+    node_guid: str
+    fw_version: str
+
+
+_IBSTAT_NAMES = _FieldNames(
+    "state", "physical state", "link layer", "base lid", "node guid", "firmware version"
+)
+_DEVINFO_NAMES = _FieldNames("state", "phys_state", "link_layer", "port_lid", "node_guid", "fw_ver")
+
+
+def _tool_port(
+    names: _FieldNames,
+    where: tuple[str, int],
+    device_fields: dict[str, str],
+    fields: dict[str, str],
+    rate_gbps: float | None,
+    ca_type: str | None,
+) -> RdmaPort:
+    """A port from one tool's device and port sections, normalized the same way for all."""
+    device, port = where
     return RdmaPort(
         device=device,
         port=port,
-        state=normalize_state(fields.get("state")),
-        phys_state=normalize_phys_state(fields.get("physical state")),
-        link_layer=normalize_link_layer(fields.get("link layer")),
-        rate_gbps=parse_rate_gbps(fields.get("rate")),
+        state=normalize_state(fields.get(names.state)),
+        phys_state=normalize_phys_state(fields.get(names.phys_state)),
+        link_layer=normalize_link_layer(fields.get(names.link_layer)),
+        rate_gbps=rate_gbps,
         netdev=None,
-        node_guid=normalize_guid(ca.get("node guid")),
-        lid=_parse_int(fields.get("base lid")),
-        fw_version=ca.get("firmware version") or None,
-        ca_type=ca.get("ca type") or None,
+        node_guid=normalize_guid(device_fields.get(names.node_guid)),
+        lid=_parse_int(fields.get(names.lid)),
+        fw_version=device_fields.get(names.fw_version) or None,
+        ca_type=ca_type,
     )
+
+
+def _ibstat_port(device: str, port: int, ca: dict[str, str], fields: dict[str, str]) -> RdmaPort:
+    rate = parse_rate_gbps(fields.get("rate"))
+    return _tool_port(_IBSTAT_NAMES, (device, port), ca, fields, rate, ca.get("ca type") or None)
 
 
 # --------------------------------------------------------------------------- ibv_devinfo
@@ -354,19 +387,7 @@ def _devinfo_port(device: str, port: int, dev: dict[str, str], fields: dict[str,
     part = dev.get("vendor_part_id", "").strip()
     if part.isdigit() and dev.get("vendor_id", "").strip().lower() in {"0x02c9", "0x15b3"}:
         ca_type = f"MT{part}"  # Mellanox/NVIDIA: ibstat's "CA type" is MT<part id>
-    return RdmaPort(
-        device=device,
-        port=port,
-        state=normalize_state(fields.get("state")),
-        phys_state=normalize_phys_state(fields.get("phys_state")),
-        link_layer=normalize_link_layer(fields.get("link_layer")),
-        rate_gbps=_devinfo_rate(fields),
-        netdev=None,
-        node_guid=normalize_guid(dev.get("node_guid")),
-        lid=_parse_int(fields.get("port_lid")),
-        fw_version=dev.get("fw_ver") or None,
-        ca_type=ca_type,
-    )
+    return _tool_port(_DEVINFO_NAMES, (device, port), dev, fields, _devinfo_rate(fields), ca_type)
 
 
 # --------------------------------------------------------------------------- ibstatus
