@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from topkv.relay.workers import WorkerCapabilities, WorkerInfo
+from topkv.relay.workers import Role, WorkerCapabilities, WorkerInfo
 from topkv.transport.base import DTYPE_SIZES, KVLayout
 
 #: Largest KV cache a single request may ask a worker to hold (bounded allocations).
@@ -323,6 +323,46 @@ class SendResult(BaseModel):
 class Released(BaseModel):
     request_id: int
     released: bool
+
+
+# -- a worker changing pools (the Adaptive Decoder Pool: topkv.service.worker_role) ---------
+
+
+class RoleRequest(BaseModel):
+    """``POST /v1/role``: serve in the ``role`` pool from now on."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    role: Role
+    chunk_tokens: int = Field(
+        default=512, ge=1, le=1 << 20, description="chunk size of chunked prefill"
+    )
+    reserved_slots: int = Field(
+        default=0, ge=0, le=1 << 20, description="decode sequences a converted worker may keep"
+    )
+    drain: bool = Field(
+        default=False,
+        description="wait for decode sequences beyond reserved_slots to finish (else 409)",
+    )
+    drain_timeout_s: float = Field(default=30.0, ge=0, le=600)
+
+
+class ChunkedPrefill(BaseModel):
+    """The prefill mode of a converted decode worker."""
+
+    chunk_tokens: int
+    reserved_slots: int
+
+
+class RoleAnswer(BaseModel):
+    worker_id: str
+    native: Role
+    previous: Role
+    role: Role
+    changed: bool
+    seconds: float = Field(description="the worker's own time: checks, drain, re-registration")
+    kept_decode: int = Field(description="decode sequences (received KV) it still holds")
+    chunked_prefill: ChunkedPrefill | None = None
 
 
 # -- worker registration through the orchestrator --------------------------------------------

@@ -32,6 +32,11 @@ T = TypeVar("T")
 class Registrar(Protocol):
     async def register(self, info: WorkerInfo, ttl_s: float) -> None: ...
 
+    async def update(self, info: WorkerInfo, ttl_s: float) -> None:
+        """Replace the registered record (same worker id, e.g. a new role), keeping the
+        lease where the backend has one; registers ``info`` when nothing is registered."""
+        ...
+
     async def heartbeat(self) -> None:
         """Extend the lease; raise ServiceError when the record is gone (register again)."""
         ...
@@ -96,6 +101,10 @@ class HttpRegistrar:
         body = RegisterRequest(worker=info, ttl_s=ttl_s).model_dump_json()
         await self._call("POST", "/v1/workers", body)
 
+    async def update(self, info: WorkerInfo, ttl_s: float) -> None:
+        """Registering the same worker id again replaces its record (200)."""
+        await self.register(info, ttl_s)
+
     async def heartbeat(self) -> None:
         status = await self._call("PUT", f"/v1/workers/{self._worker_id}/heartbeat")
         if status == 404:
@@ -136,6 +145,16 @@ class DirectRegistrar:
             self._registration = await self._run(lambda: self._registry.register(info, ttl_s))
         except TopKVError as exc:
             raise ServiceError(f"registration failed: {exc}") from exc
+
+    async def update(self, info: WorkerInfo, ttl_s: float) -> None:
+        registration = self._registration
+        if registration is None:
+            await self.register(info, ttl_s)
+            return
+        try:
+            await self._run(lambda: registration.update(info))
+        except TopKVError as exc:
+            raise ServiceError(f"updating the registration failed: {exc}") from exc
 
     async def heartbeat(self) -> None:
         registration = self._registration

@@ -37,7 +37,7 @@ from pydantic import BaseModel
 from topkv.errors import ConfigError
 from topkv.relay.executor import AttemptFailed, AttemptPlan, Delivery
 from topkv.relay.transfers import FailureKind
-from topkv.relay.workers import WorkerInfo
+from topkv.relay.workers import Role, WorkerInfo
 from topkv.service.auth import auth_headers
 from topkv.service.messages import (
     DecodeRequest,
@@ -50,6 +50,8 @@ from topkv.service.messages import (
     PrefillRequest,
     ReceiveReady,
     ReceiveRequest,
+    RoleAnswer,
+    RoleRequest,
     SendRequest,
     SendResult,
     WaitRequest,
@@ -292,6 +294,18 @@ class RemoteExecutor:
         return await self._engine_call(
             worker, "/v1/generate", body, GenerateResult, 120.0, FailureKind.INTERNAL
         )
+
+    async def set_role(
+        self, worker: WorkerInfo, role: Role, *, chunk_tokens: int, reserved_slots: int
+    ) -> float:
+        """Move ``worker`` to the ``role`` pool (``POST /v1/role``, the ADP's conversion);
+        returns the worker's own seconds. A worker that refuses (KV not acknowledged, more
+        decode than the reserve) or is gone raises :class:`AttemptFailed`."""
+        body = RoleRequest(role=role, chunk_tokens=chunk_tokens, reserved_slots=reserved_slots)
+        answer = await self._engine_call(
+            worker, "/v1/role", body, RoleAnswer, 30.0, FailureKind.DESTINATION_DIED
+        )
+        return answer.seconds
 
     async def held_digest(self, worker: WorkerInfo, request_id: int) -> int:
         """Digest of the KV ``worker`` holds for ``request_id`` (computed from its bytes)."""

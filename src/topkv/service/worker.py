@@ -92,6 +92,7 @@ from topkv.service.worker_media import (
     resolve_media,
     sink_medium,
 )
+from topkv.service.worker_role import RoleSwitch
 from topkv.service.worker_send import SendStamps, paced, send_scheduled, wait_ended
 from topkv.transport import catalog as transports
 from topkv.transport.base import (
@@ -162,6 +163,7 @@ class WorkerService:
             "drained": 0,
         }
         self._corrupters: list[CorruptingSource] = []
+        self.roles = RoleSwitch(self)  # POST /v1/role: the ADP's conversions
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -315,6 +317,8 @@ class WorkerService:
             Route("POST", "/v1/receive", self._receive, admin),
             Route("POST", "/v1/send", self._send, admin),
             Route("POST", "/v1/generate", self._generate, admin),
+            Route("GET", "/v1/role", self.roles.current, admin),
+            Route("POST", "/v1/role", self.roles.handle, admin),
         ]
         return secured_app(routes, self.config.server_auth, middlewares=[worker_error_middleware])
 

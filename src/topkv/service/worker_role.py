@@ -1,0 +1,149 @@
+"""A worker changes pools: ``POST /v1/role`` (the Adaptive Decoder Pool's conversions).
+
+The orchestrator's live ADP (:mod:`topkv.relay.adp`) converts a decode worker to prefill in
+a rush and back when it ends. On the worker a conversion is:
+
+1. a safety check: a worker holding KV not yet acknowledged (a send in flight, a receive
+   announced and not taken, a prefilled KV its destination has not verified) is never
+   converted: ``409`` kind ``busy``, nothing changed. A decode worker turning prefill keeps
+   the decode sequences it holds (received KV) only up to ``reserved_slots`` (the chunked
+   prefill reserve); more is ``409`` too, unless ``drain`` asks to wait (at most
+   ``drain_timeout_s``) for decode to release them;
+2. the new mode: ``prefill`` on a native decode worker runs chunked prefill
+   (``chunk_tokens`` per chunk, ``reserved_slots`` decode slots kept), ``decode`` clears it;
+3. re-registration under the new role with the same worker id (the registry's ``update``:
+   memory and etcd keep the lease, the orchestrator's HTTP registry replaces the record),
+   so the orchestrator's view moves the worker to the other pool.
+
+The answer says what changed and how long the worker took (``seconds``). The same role
+again is a no-op (``changed`` false).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from topkv.relay.workers import Role
+from topkv.service.httputil import error_response, model_response, read_model
+from topkv.service.messages import ChunkedPrefill, RoleAnswer, RoleRequest
+
+if TYPE_CHECKING:
+    from topkv.service.worker import WorkerService
+
+#: How often a draining conversion looks again at the decode sequences held.
+_DRAIN_POLL_S = 0.02
+
+
+@dataclass(frozen=True)
+class Busy:
+    """What keeps a worker from converting now (all zero: it may)."""
+
+    sending: int
+    receiving: int
+    prefilled: int
+
+    @property
+    def unacked(self) -> int:
+        return self.sending + self.receiving + self.prefilled
+
+    def describe(self) -> str:
+        return (
+            f"{self.sending} send(s) in flight, {self.receiving} receive(s) pending, "
+            f"{self.prefilled} prefilled KV not yet released by its destination"
+        )
+
+
+class RoleSwitch:
+    """The worker's pool membership and the ``/v1/role`` handler (module docstring)."""
+
+    def __init__(self, service: WorkerService) -> None:
+        self._service = service
+        self.native: Role = service.config.role
+        self.chunked: ChunkedPrefill | None = None
+        self._lock = asyncio.Lock()
+
+    def busy(self) -> Busy:
+        s = self._service
+        prefilled = sum(1 for kv in s.store.all() if kv.origin == "prefill")
+        return Busy(len(s._outgoing), len(s._inbox), prefilled)
+
+    def held_decode(self) -> int:
+        return sum(1 for kv in self._service.store.all() if kv.origin == "received")
+
+    async def handle(self, request: web.Request) -> web.Response:
+        body = await read_model(request, RoleRequest)
+        async with self._lock:  # one conversion at a time
+            return await self._convert(body)
+
+    async def _convert(self, body: RoleRequest) -> web.Response:
+        s = self._service
+        info = s.info
+        assert info is not None
+        started = time.perf_counter()
+        previous: Role = info.role
+        if body.role == previous:
+            return self._answer(previous, False, started)
+        busy = self.busy()
+        if busy.unacked:
+            return _busy(f"worker {s.worker_id} holds KV not yet acknowledged: {busy.describe()}")
+        if body.role == "prefill":
+            refused = await self._fit_reserve(body)
+            if refused is not None:
+                return refused
+        registrar = s._registrar
+        if registrar is None:
+            return error_response(409, "busy", f"worker {s.worker_id} is not registered")
+        new = info.model_copy(update={"role": body.role})
+        await registrar.update(new, s.config.ttl_s)  # ServiceError: 503 by the middleware
+        s.info = new
+        if body.role == "prefill" and self.native == "decode":
+            self.chunked = ChunkedPrefill(
+                chunk_tokens=body.chunk_tokens, reserved_slots=body.reserved_slots
+            )
+        else:
+            self.chunked = None
+        return self._answer(previous, True, started)
+
+    async def _fit_reserve(self, body: RoleRequest) -> web.Response | None:
+        """None once the decode sequences held fit the reserve; else the 409 answer."""
+        deadline = time.perf_counter() + (body.drain_timeout_s if body.drain else 0.0)
+        while (held := self.held_decode()) > body.reserved_slots:
+            if time.perf_counter() >= deadline:
+                how = f"within {body.drain_timeout_s} s" if body.drain else "(drain not asked)"
+                return _busy(
+                    f"worker {self._service.worker_id} holds {held} decode sequences, more "
+                    f"than the {body.reserved_slots} chunked prefill keeps {how}"
+                )
+            await asyncio.sleep(_DRAIN_POLL_S)
+        return None
+
+    def _answer(self, previous: Role, changed: bool, started: float) -> web.Response:
+        info = self._service.info
+        assert info is not None
+        return model_response(
+            RoleAnswer(
+                worker_id=info.worker_id,
+                native=self.native,
+                previous=previous,
+                role=info.role,
+                changed=changed,
+                seconds=time.perf_counter() - started,
+                kept_decode=self.held_decode(),
+                chunked_prefill=self.chunked,
+            )
+        )
+
+    async def current(self, request: web.Request) -> web.Response:
+        """``GET /v1/role``: the pool it serves now, its native one, its prefill mode."""
+        info = self._service.info
+        assert info is not None
+        return self._answer(info.role, False, time.perf_counter())
+
+
+def _busy(detail: str) -> web.Response:
+    return error_response(409, "busy", detail, "WorkerBusy")
