@@ -102,15 +102,20 @@ class RemoteExecutor:
         pacing: Pacing | None = None,
         token: str | None = None,
         tls: ClientTLS | None = None,
+        schedule: Literal["stream", "serial"] = "stream",
     ) -> None:
         """``pacing``: pace each attempt's send to an emulated path (an orchestrator whose
         topology is emulated on one host, e.g. ``topkv demo``); None sends at full speed.
+        ``schedule``: how an attempt's source sends (``stream``: each layer as prefill
+        publishes it, the pipelined transfer; ``serial``: the whole KV once prefill ended,
+        as without pipelining).
         ``token``: the admin token the workers' control APIs accept (None: they run open).
         ``tls``: how ``https://`` workers are verified (None: the system's trust store)."""
         self.token = token
         self.tls = tls
         self.media = dict(DEFAULT_MEDIA if media is None else media)
         self.pacing = pacing
+        self.schedule = schedule
         self.call_timeout_s = call_timeout_s
         self._max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None
@@ -363,6 +368,7 @@ class RemoteExecutor:
                     medium=medium,
                     timeout_s=plan.timeout_s,
                     link=link,
+                    schedule=self.schedule,
                 ),
                 plan.model_id,
                 plan.layout,
