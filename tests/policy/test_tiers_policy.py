@@ -154,3 +154,10 @@ def test_victims_make_room_or_none(
         # least soon needed go first
         chosen = [needed[v.request_id] for v in victims]
         assert chosen == sorted(chosen, reverse=True)
+
+
+def test_model_latency_from_small_operations() -> None:
+    model = TierModel(TIERS, ManualClock(), alpha=1.0)
+    model.record("nvme", "read", 4096, 20e-6 + 4096 / 7e9)
+    assert model.reading("nvme", "read").latency_s == pytest.approx(20e-6)
+    assert model.reading("nvme", "read").bandwidth_gbps == 7.0  # small ops leave bandwidth

@@ -36,6 +36,8 @@ from topkv.policy.view import PathCandidate
 TierKind = Literal["device", "host", "cxl", "disk"]
 Direction = Literal["read", "write"]
 TIER_KINDS: tuple[TierKind, ...] = ("device", "host", "cxl", "disk")
+#: Operations this small or smaller measure a tier's latency, larger ones its bandwidth.
+LATENCY_PROBE_BYTES = 64 << 10
 
 
 @dataclass(frozen=True)
@@ -123,22 +125,27 @@ class TierModel:
         return TierReading(tier, direction, bw.gbps, latency, bw.samples, bw.source)
 
     def record(self, tier: str, direction: Direction, nbytes: int, seconds: float) -> TierReading:
-        """Fold one measured read or write of ``nbytes`` that took ``seconds``."""
+        """Fold one measured read or write of ``nbytes`` that took ``seconds``.
+
+        A small operation (at most :data:`LATENCY_PROBE_BYTES`) is mostly latency: it updates
+        the latency EMA with what its bytes do not explain. A larger one updates the
+        bandwidth EMA with its bytes over its time less the current latency.
+        """
         if nbytes <= 0 or not seconds > 0:
             raise PolicyInputError(
                 f"a tier sample needs bytes > 0 and time > 0: {nbytes}, {seconds}"
             )
         prior = self.reading(tier, direction)
-        # What the bytes do not explain is per-operation latency (never negative).
-        lat_sample = max(0.0, seconds - nbytes / (prior.bandwidth_gbps * 1e9))
-        key = (tier, direction)
-        self._latency[key] = (
-            lat_sample
-            if key not in self._latency
-            else self.alpha * lat_sample + (1 - self.alpha) * self._latency[key]
-        )
-        data_s = max(seconds - self._latency[key], seconds * 0.5)
-        self._bandwidth.record(self._candidate(tier, direction), nbytes, data_s)
+        if nbytes <= LATENCY_PROBE_BYTES:
+            sample = max(0.0, seconds - nbytes / (prior.bandwidth_gbps * 1e9))
+            key = (tier, direction)
+            old = self._latency.get(key)
+            self._latency[key] = (
+                sample if old is None else self.alpha * sample + (1 - self.alpha) * old
+            )
+        else:
+            data_s = max(seconds - prior.latency_s, seconds * 0.5)
+            self._bandwidth.record(self._candidate(tier, direction), nbytes, data_s)
         return self.reading(tier, direction)
 
     def seconds(self, tier: str, direction: Direction, nbytes: int) -> float:
