@@ -12,6 +12,16 @@ Names (all prefixed ``topkv_``):
 * ``transfer_seconds{mode}``: the successful attempt, start to verified copy;
 * ``handoff_seconds``: end to end, ``submit`` to the completion queued for decode;
 * ``transfer_throughput_gbps{mode}``: per delivered transfer, bytes / transfer_seconds.
+
+The Adaptive Decoder Pool (:class:`AdpMetrics`, on the same registry when it runs):
+
+* ``adp_rush``: 1 while a rush lasts, else 0;
+* ``adp_pool_workers{pool}``: workers serving the prefill and the decode pool now;
+* ``adp_converted_workers``: native decode workers serving prefill now;
+* ``conversions_total{from,to}``: finished conversions;
+  ``conversion_failures_total{from,to}``: conversions that did not finish (worker refused,
+  died, or never re-registered);
+* ``conversion_seconds{to}``: each finished conversion, decided to re-registered.
 """
 
 from __future__ import annotations
@@ -48,6 +58,8 @@ _LATENCY_BUCKETS = (
     10.0,
     30.0,
 )
+#: Conversions: the paper's target is 10 s, a cold start about 5 minutes.
+_CONVERSION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 _GBPS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 512.0)
 
 
@@ -137,6 +149,38 @@ class RelayMetrics:
         """Current value of one sample (0.0 when it was never set): for tests and reports."""
         found = self.registry.get_sample_value(name, labels or {})
         return float(found) if found is not None else 0.0
+
+
+class AdpMetrics:
+    """The Adaptive Decoder Pool's gauges, counters and histogram (module docstring)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.rush = Gauge("topkv_adp_rush", "1 while the ADP sees a rush, else 0", registry=r)
+        self.pool = Gauge(
+            "topkv_adp_pool_workers", "Workers serving each pool now", ["pool"], registry=r
+        )
+        self.converted = Gauge(
+            "topkv_adp_converted_workers", "Native decode workers serving prefill", registry=r
+        )
+        self.conversions = Counter(
+            "topkv_conversions", "Finished ADP conversions", ["from", "to"], registry=r
+        )
+        self.failures = Counter(
+            "topkv_conversion_failures",
+            "ADP conversions that did not finish (refused, worker died, not re-registered)",
+            ["from", "to"],
+            registry=r,
+        )
+        self.seconds = Histogram(
+            "topkv_conversion_seconds",
+            "ADP conversion: decided to re-registered in the other pool",
+            ["to"],
+            buckets=_CONVERSION_BUCKETS,
+            registry=r,
+        )
+        for pool in ("prefill", "decode"):
+            self.pool.labels(pool).set(0)
 
 
 class MetricsServer:

@@ -383,6 +383,20 @@ class Orchestrator:
     def slots_used(self, worker_id: str) -> int:
         return self._slots.used_by(worker_id)
 
+    def delivered_to(self, worker_id: str) -> int:
+        """Delivered KV ``worker_id`` holds for decode (its running decode sequences)."""
+        return sum(1 for w in self._slots.delivered.values() if w == worker_id)
+
+    def fence(self, worker_id: str, closed: bool = True) -> None:
+        """Route no new KV to decode worker ``worker_id`` (``closed`` false: open it again);
+        what is already in flight to it carries on. The ADP fences a worker it converts."""
+        if closed:
+            self._slots.closed.add(worker_id)
+        else:
+            self._slots.closed.discard(worker_id)
+        self._slots.refresh(worker_id)
+        self._slots.signal_capacity()
+
     # -- dispatch --------------------------------------------------------------------------
 
     def _require_running(self) -> asyncio.Queue[TransferRecord]:

@@ -29,6 +29,8 @@ class DecodeSlots:
         # Decode workers as routing sees them, kept current on slot and registry changes.
         self.views: dict[str, DecodeWorkerView] = {}
         self.capacity_changed: asyncio.Event | None = None
+        #: Decode workers routing sends nothing new to (the ADP fences one it converts).
+        self.closed: set[str] = set()
         self._endpoints: dict[str, tuple[WorkerInfo, Endpoint]] = {}
 
     def open(self) -> None:
@@ -47,7 +49,7 @@ class DecodeSlots:
     def refresh(self, worker_id: str) -> None:
         """Rebuild routing's view of ``worker_id`` from its registration and slots."""
         info = self.view.get(worker_id)
-        if info is None or info.role != "decode":
+        if info is None or info.role != "decode" or worker_id in self.closed:
             self.views.pop(worker_id, None)
             return
         used = self.used.get(worker_id, 0)

@@ -163,7 +163,7 @@ class WorkerService:
             "drained": 0,
         }
         self._corrupters: list[CorruptingSource] = []
-        self.roles = RoleSwitch(self)  # POST /v1/role: the ADP's conversions
+        self.roles = RoleSwitch(self, config.role)  # POST /v1/role: the ADP's conversions
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -293,6 +293,17 @@ class WorkerService:
                 log.warning("heartbeat failed (%s); registering again", exc)
                 with contextlib.suppress(ServiceError):
                     await self._registrar.register(self.info, self.config.ttl_s)
+
+    def transfers_in_flight(self) -> tuple[int, int]:
+        """Sends in flight, and receives announced and not yet taken."""
+        return len(self._outgoing), len(self._inbox)
+
+    async def reregister(self, info: WorkerInfo) -> None:
+        """Replace this worker's registration with ``info`` (same id: a new role)."""
+        if self._registrar is None:
+            raise ServiceError(f"worker {self.worker_id} is not registered")
+        await self._registrar.update(info, self.config.ttl_s)
+        self.info = info
 
     def _run_engine(self, fn: Callable[[], T]) -> Awaitable[T]:
         """Run engine work off the loop: a model's on its own thread, one at a time."""

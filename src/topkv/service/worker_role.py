@@ -24,19 +24,33 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from aiohttp import web
 
-from topkv.relay.workers import Role
+from topkv.relay.workers import Role, WorkerInfo
 from topkv.service.httputil import error_response, model_response, read_model
+from topkv.service.kvstore import KVStore
 from topkv.service.messages import ChunkedPrefill, RoleAnswer, RoleRequest
-
-if TYPE_CHECKING:
-    from topkv.service.worker import WorkerService
 
 #: How often a draining conversion looks again at the decode sequences held.
 _DRAIN_POLL_S = 0.02
+
+
+class Convertible(Protocol):
+    """What a conversion needs of the worker (:class:`~topkv.service.worker.WorkerService`)."""
+
+    worker_id: str
+    store: KVStore
+    info: WorkerInfo | None
+
+    def transfers_in_flight(self) -> tuple[int, int]:
+        """Sends in flight, and receives announced and not yet taken."""
+        ...
+
+    async def reregister(self, info: WorkerInfo) -> None:
+        """Replace the worker's registration with ``info`` (same worker id)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -61,16 +75,17 @@ class Busy:
 class RoleSwitch:
     """The worker's pool membership and the ``/v1/role`` handler (module docstring)."""
 
-    def __init__(self, service: WorkerService) -> None:
+    def __init__(self, service: Convertible, native: Role) -> None:
         self._service = service
-        self.native: Role = service.config.role
+        self.native: Role = native
         self.chunked: ChunkedPrefill | None = None
         self._lock = asyncio.Lock()
 
     def busy(self) -> Busy:
         s = self._service
         prefilled = sum(1 for kv in s.store.all() if kv.origin == "prefill")
-        return Busy(len(s._outgoing), len(s._inbox), prefilled)
+        sending, receiving = s.transfers_in_flight()
+        return Busy(sending, receiving, prefilled)
 
     def held_decode(self) -> int:
         return sum(1 for kv in self._service.store.all() if kv.origin == "received")
@@ -95,12 +110,8 @@ class RoleSwitch:
             refused = await self._fit_reserve(body)
             if refused is not None:
                 return refused
-        registrar = s._registrar
-        if registrar is None:
-            return error_response(409, "busy", f"worker {s.worker_id} is not registered")
-        new = info.model_copy(update={"role": body.role})
-        await registrar.update(new, s.config.ttl_s)  # ServiceError: 503 by the middleware
-        s.info = new
+        # a registry failure is a ServiceError, answered 500 by the worker's middleware
+        await s.reregister(info.model_copy(update={"role": body.role}))
         if body.role == "prefill" and self.native == "decode":
             self.chunked = ChunkedPrefill(
                 chunk_tokens=body.chunk_tokens, reserved_slots=body.reserved_slots

@@ -1,0 +1,378 @@
+"""The Adaptive Decoder Pool, live: the orchestrator's side of :mod:`topkv.policy.adp`.
+
+Every decision comes from :class:`~topkv.policy.adp.AdaptiveDecoderPool`, the object the
+simulator runs too (:mod:`topkv.sim.adaptive`), on an injected clock. This module feeds it
+what the orchestrator sees and applies its plans to real workers:
+
+* observations: each request's prompt tokens as it arrives (:meth:`LiveAdaptivePool.
+  observe_arrival`), each first token's TTFT (:meth:`~LiveAdaptivePool.observe_ttft`, or
+  :meth:`~LiveAdaptivePool.delivered` from a delivered record), and at every
+  :meth:`~LiveAdaptivePool.tick` the prefill queue depth (default: the requests accepted
+  and not yet delivered) and one :class:`~topkv.policy.adp.WorkerView` per registered
+  worker: its delivered KV as ``active_decode``, the transfers to or from it not yet
+  finished as ``unacked_kv``, its capacity as ``decode_slots``;
+* ``fence``: the orchestrator routes no new KV to the worker (:meth:`Orchestrator.fence`);
+  what is in flight to it finishes (or fails over) as usual;
+* ``to_prefill`` / ``to_decode``: a conversion task. The worker is fenced, told its new
+  role through a :class:`RoleSwitcher` (``POST /v1/role`` on the worker:
+  :meth:`~topkv.service.remote_executor.RemoteExecutor.set_role`), which refuses while it
+  holds KV not yet acknowledged, keeps its decode sequences up to the chunked-prefill
+  reserve and re-registers it under the new role; the conversion is finished when the
+  orchestrator's registry view shows the new role. Its duration (decided to re-registered,
+  on ``timer``) is recorded and observed in ``topkv_conversion_seconds``;
+* ``drain``: a converted worker takes no new prefill (:meth:`LiveAdaptivePool.
+  prefill_workers` leaves it out; callers pick prefill sources from that list) until it is
+  converted back.
+
+No request is lost to a conversion: a worker is converted only with no KV in flight to or
+from it (the policy fences it first, the worker checks again), decode sequences it holds
+stay with it, and a worker that dies mid-conversion is only a failed conversion: its
+registration leaves, the orchestrator reroutes whatever was in flight to it, and the pool
+forgets it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import Counter
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from topkv.errors import TopKVError
+from topkv.policy.adp import (
+    DEFAULT_ADP,
+    AdaptiveDecoderPool,
+    ADPConfig,
+    ConversionPlan,
+    WorkerView,
+)
+from topkv.policy.clock import Clock, MonotonicClock
+from topkv.relay.metrics import AdpMetrics
+from topkv.relay.orchestrator import Orchestrator
+from topkv.relay.transfers import TransferRecord
+from topkv.relay.workers import RegistryEvent, Role, WorkerInfo
+
+#: Where a native decode worker is in its conversions (absent: serving decode).
+Stage = Literal["fenced", "converting", "converted", "draining", "returning"]
+
+#: Stages in which a native decode worker counts as serving prefill (the policy's role).
+_PREFILL_STAGES: frozenset[Stage] = frozenset({"converting", "converted", "draining", "returning"})
+
+
+class RoleSwitcher(Protocol):
+    """Tells a worker to serve another pool (implemented over HTTP by the service's
+    :class:`~topkv.service.remote_executor.RemoteExecutor`)."""
+
+    async def set_role(
+        self, worker: WorkerInfo, role: Role, *, chunk_tokens: int, reserved_slots: int
+    ) -> float:
+        """Convert ``worker``; returns the worker's own seconds. Raises a
+        :class:`~topkv.errors.TopKVError` when it refuses or cannot be reached."""
+        ...
+
+
+class ConversionFailed(TopKVError):
+    """A conversion did not finish (the worker refused, died or never re-registered)."""
+
+
+@dataclass(frozen=True)
+class Conversion:
+    """One conversion: which worker, which way, when (ms since the pool's origin), how long."""
+
+    worker: str
+    from_role: Role
+    to_role: Role
+    at_ms: float
+    #: Decided to re-registered in the other pool (None: it failed).
+    duration_ms: float | None
+    #: The worker's own share (checks and re-registration), ms.
+    worker_ms: float | None = None
+    detail: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.duration_ms is not None
+
+    def to_json(self) -> dict[str, object]:
+        """``{"worker", "from", "to", "at_ms", "duration_ms"}`` (the demo's contract)."""
+        return {
+            "worker": self.worker,
+            "from": self.from_role,
+            "to": self.to_role,
+            "at_ms": self.at_ms,
+            "duration_ms": self.duration_ms,
+        }
+
+
+class LiveAdaptivePool:
+    """The ADP applied to one running :class:`Orchestrator` (module docstring).
+
+    ``clock`` drives the policy and stamps ``at_ms`` and the rush periods (default the
+    orchestrator's); ``timer`` measures conversion durations (default monotonic, so a
+    manual policy clock still reports real durations). ``origin_s``: the ``clock`` time the
+    report's milliseconds count from (default: now). ``registry_wait_s``: longest a
+    conversion waits for the registry to show the worker's new role.
+    """
+
+    def __init__(
+        self,
+        orchestrator: Orchestrator,
+        switcher: RoleSwitcher,
+        *,
+        config: ADPConfig = DEFAULT_ADP,
+        clock: Clock | None = None,
+        timer: Clock | None = None,
+        origin_s: float | None = None,
+        registry_wait_s: float = 10.0,
+    ) -> None:
+        self.orchestrator = orchestrator
+        self.switcher = switcher
+        self.config = config
+        self.clock: Clock = clock or orchestrator.clock
+        self.timer: Clock = timer or MonotonicClock()
+        self.origin_s = self.clock.now() if origin_s is None else origin_s
+        self.registry_wait_s = registry_wait_s
+        self.pool = AdaptiveDecoderPool(self.clock, config)
+        self.metrics = AdpMetrics(orchestrator.metrics.registry)
+        self.conversions: list[Conversion] = []
+        self.native: dict[str, Role] = {}
+        self.stage: dict[str, Stage] = {}
+        self._waiters: dict[str, tuple[Role, asyncio.Future[None]]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._ticker: asyncio.Task[None] | None = None
+        orchestrator.view.subscribe(self._on_event)
+
+    # -- observations ------------------------------------------------------------------------
+
+    def observe_arrival(self, prompt_tokens: float) -> None:
+        """A request of ``prompt_tokens`` prompt tokens arrived."""
+        self.pool.observe_arrival(prompt_tokens)
+
+    def observe_ttft(self, seconds: float) -> None:
+        """A first token came out ``seconds`` after its request arrived."""
+        self.pool.observe_ttft(seconds)
+
+    def delivered(self, record: TransferRecord) -> None:
+        """``record``'s KV reached decode: its first token is out (TTFT on the orchestrator's
+        clock, from its submission)."""
+        self.observe_ttft(max(0.0, self.orchestrator.clock.now() - record.submitted_at))
+
+    # -- the tick ----------------------------------------------------------------------------
+
+    def views(self) -> list[WorkerView]:
+        """The policy's view of every registered worker now."""
+        touching: Counter[str] = Counter()
+        sourcing: Counter[str] = Counter()
+        for record in self.orchestrator.transfers.active():
+            touching[record.source] += 1
+            sourcing[record.source] += 1
+            if record.destination is not None and record.destination != record.source:
+                touching[record.destination] += 1
+        out = []
+        for info in self.orchestrator.view.workers():
+            wid = info.worker_id
+            native = self.native.setdefault(wid, info.role)
+            if native == "prefill":
+                out.append(WorkerView(wid, "prefill", "prefill", 0, 0, touching[wid]))
+                continue
+            stage = self.stage.get(wid)
+            as_prefill = stage in _PREFILL_STAGES
+            out.append(
+                WorkerView(
+                    wid,
+                    "decode",
+                    "prefill" if as_prefill else "decode",
+                    self.orchestrator.delivered_to(wid),
+                    info.capacity,
+                    unacked_kv=touching[wid],
+                    prefilling=stage in ("converting", "returning")
+                    or (as_prefill and sourcing[wid] > 0),
+                    fenced=stage == "fenced",
+                )
+            )
+        return out
+
+    async def tick(self, queue_depth: int | None = None) -> ConversionPlan:
+        """One ADP update: signals, plan, and the plan applied (conversions start as tasks).
+
+        ``queue_depth``: the prefill queue depth (default: requests accepted by the
+        orchestrator and not yet delivered)."""
+        depth = self.orchestrator.transfers.active_count if queue_depth is None else queue_depth
+        plan = self.pool.update(depth, self.views())
+        self._apply(plan)
+        self._gauges()
+        return plan
+
+    def _apply(self, plan: ConversionPlan) -> None:
+        stage = self.stage
+        for wid in plan.fence:
+            if wid not in stage:
+                stage[wid] = "fenced"
+                self.orchestrator.fence(wid)
+        for wid in plan.unfence:
+            if stage.get(wid) == "fenced":
+                del stage[wid]
+                self.orchestrator.fence(wid, False)
+        for wid in plan.to_prefill:
+            if stage.get(wid) in (None, "fenced"):
+                stage[wid] = "converting"
+                self.orchestrator.fence(wid)
+                self._start(wid, "decode", "prefill")
+        if self.pool.in_rush:  # a new rush: drained workers serve prefill again
+            for wid, now in list(stage.items()):
+                if now == "draining":
+                    stage[wid] = "converted"
+        for wid in plan.drain:
+            if stage.get(wid) == "converted":
+                stage[wid] = "draining"
+        for wid in plan.to_decode:
+            if stage.get(wid) in ("converted", "draining"):
+                stage[wid] = "returning"
+                self._start(wid, "prefill", "decode")
+
+    def _gauges(self) -> None:
+        m = self.metrics
+        m.rush.set(1 if self.pool.in_rush else 0)
+        decode = [
+            w for w in self.orchestrator.view.workers("decode") if w.worker_id not in self.stage
+        ]
+        m.pool.labels("prefill").set(len(self.prefill_workers()))
+        m.pool.labels("decode").set(len(decode))
+        m.converted.set(sum(1 for s in self.stage.values() if s in _PREFILL_STAGES))
+
+    # -- conversions -------------------------------------------------------------------------
+
+    def _start(self, worker_id: str, from_role: Role, to_role: Role) -> None:
+        task = asyncio.ensure_future(self._convert(worker_id, from_role, to_role))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _convert(self, worker_id: str, from_role: Role, to_role: Role) -> None:
+        at_ms = (self.clock.now() - self.origin_s) * 1000.0
+        started = self.timer.now()
+        loop = asyncio.get_running_loop()
+        registered: asyncio.Future[None] = loop.create_future()
+        self._waiters[worker_id] = (to_role, registered)
+        try:
+            info = self.orchestrator.view.get(worker_id)
+            if info is None:
+                raise ConversionFailed(f"{worker_id} is no longer registered")
+            worker_s = await self.switcher.set_role(
+                info,
+                to_role,
+                chunk_tokens=self.config.chunk_tokens,
+                reserved_slots=self.config.reserved_slots(info.capacity),
+            )
+            try:
+                await asyncio.wait_for(asyncio.shield(registered), self.registry_wait_s)
+            except TimeoutError:
+                raise ConversionFailed(
+                    f"{worker_id} did not show up as {to_role} in the registry within "
+                    f"{self.registry_wait_s} s"
+                ) from None
+        except TopKVError as exc:
+            self._failed(worker_id, from_role, to_role, at_ms, str(exc))
+            return
+        finally:
+            self._waiters.pop(worker_id, None)
+        duration_ms = (self.timer.now() - started) * 1000.0
+        if to_role == "decode":
+            self.stage.pop(worker_id, None)
+            self.orchestrator.fence(worker_id, False)
+        else:
+            self.stage[worker_id] = "converted"
+        self.metrics.conversions.labels(from_role, to_role).inc()
+        self.metrics.seconds.labels(to_role).observe(duration_ms / 1000.0)
+        self.conversions.append(
+            Conversion(worker_id, from_role, to_role, at_ms, duration_ms, worker_s * 1000.0)
+        )
+        self._gauges()
+
+    def _failed(
+        self, worker_id: str, from_role: Role, to_role: Role, at_ms: float, why: str
+    ) -> None:
+        self.metrics.failures.labels(from_role, to_role).inc()
+        self.conversions.append(Conversion(worker_id, from_role, to_role, at_ms, None, None, why))
+        info = self.orchestrator.view.get(worker_id)
+        if info is None or to_role == "prefill":
+            # gone (its registration left: the orchestrator rerouted what was in flight to
+            # it), or still a decode worker: it serves decode again, the policy may retry
+            self.stage.pop(worker_id, None)
+            self.orchestrator.fence(worker_id, False)
+        else:  # still serving prefill: converted, to be converted back on a later tick
+            self.stage[worker_id] = "converted"
+        self._gauges()
+
+    def _on_event(self, event: RegistryEvent) -> None:
+        waiting = self._waiters.get(event.worker_id)
+        if waiting is None:
+            return
+        role, future = waiting
+        if future.done():
+            return
+        if event.kind == "leave":
+            future.set_exception(ConversionFailed(f"{event.worker_id} left the registry"))
+        elif event.info is not None and event.info.role == role:
+            future.set_result(None)
+
+    # -- what callers read -------------------------------------------------------------------
+
+    def prefill_workers(self) -> list[WorkerInfo]:
+        """Registered prefill workers that take new prefill work now (draining and
+        returning converted workers left out): where callers pick prefill sources."""
+        return [
+            w
+            for w in self.orchestrator.view.workers("prefill")
+            if self.stage.get(w.worker_id) not in ("draining", "returning")
+        ]
+
+    @property
+    def in_rush(self) -> bool:
+        return self.pool.in_rush
+
+    def rush_periods_ms(self, now_s: float | None = None) -> list[list[float]]:
+        """``[[start_ms, end_ms], ...]`` since the origin; a rush still on ends ``now``."""
+        now = self.clock.now() if now_s is None else now_s
+        return [
+            [
+                (start - self.origin_s) * 1000.0,
+                ((now if end is None else end) - self.origin_s) * 1000.0,
+            ]
+            for start, end in self.pool.rush_periods
+        ]
+
+    def report(self, now_s: float | None = None) -> dict[str, object]:
+        """``{"conversions": [{worker, from, to, at_ms, duration_ms}], "rush_periods":
+        [[start_ms, end_ms], ...]}``: finished conversions and rushes, in ms since the
+        origin (the ``"adp"`` key of ``topkv demo --adp on --json``)."""
+        return {
+            "conversions": [c.to_json() for c in self.conversions if c.ok],
+            "rush_periods": self.rush_periods_ms(now_s),
+        }
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self, tick_s: float = 1.0) -> None:
+        """Tick every ``tick_s`` seconds (real time) on the running loop until :meth:`close`."""
+        if self._ticker is None:
+            self._ticker = asyncio.ensure_future(self._tick_loop(tick_s))
+
+    async def _tick_loop(self, tick_s: float) -> None:
+        while True:
+            await self.tick()
+            await asyncio.sleep(tick_s)
+
+    async def settle(self, timeout_s: float = 30.0) -> None:
+        """Wait for the conversions in progress to finish (or fail)."""
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=timeout_s)
+
+    async def close(self) -> None:
+        """Stop ticking and wait (bounded) for conversions in progress."""
+        ticker, self._ticker = self._ticker, None
+        if ticker is not None:
+            ticker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await ticker
+        await self.settle(self.registry_wait_s + 35.0)
