@@ -39,6 +39,7 @@ from topkv.relay.executor import AttemptFailed, AttemptPlan, Delivery
 from topkv.relay.transfers import FailureKind
 from topkv.relay.workers import Role, WorkerInfo
 from topkv.service.auth import auth_headers
+from topkv.service.fencing import epoch_headers
 from topkv.service.messages import (
     DecodeRequest,
     DecodeResult,
@@ -122,6 +123,8 @@ class RemoteExecutor:
         self._forced: OrderedDict[int, str] = OrderedDict()
         self._first_tokens: OrderedDict[int, int] = OrderedDict()
         self._reports: OrderedDict[int, MoveReport] = OrderedDict()
+        #: The leader's election epoch sent on every call (service.fencing); None: no election.
+        self.epoch: int | None = None
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -200,7 +203,7 @@ class RemoteExecutor:
                 method,
                 url,
                 data=body,
-                headers={"Content-Type": "application/json"},
+                headers={"Content-Type": "application/json", **epoch_headers(self.epoch)},
                 timeout=aiohttp.ClientTimeout(total=timeout_s),
             ) as response:
                 text = await response.text()

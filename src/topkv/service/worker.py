@@ -51,6 +51,7 @@ from topkv.service.engines import (
     build_engine,
 )
 from topkv.service.errors import ServiceError
+from topkv.service.fencing import EpochFence
 from topkv.service.httputil import (
     error_response,
     format_host,
@@ -139,6 +140,7 @@ class WorkerService:
         self.worker_id = config.resolved_worker_id()
         self.offer: MediaOffer = resolve_media(config.media, shm=config.capabilities.shm)
         self.store = KVStore(config.capacity)
+        self.fence = EpochFence()  # refuses a deposed leader's calls (service.fencing)
         self.engine: WorkerEngine | None = None
         self._compute: ThreadPoolExecutor | None = None
         self._sinks: dict[str, TransferSink] = {}
@@ -331,7 +333,8 @@ class WorkerService:
             Route("GET", "/v1/role", self.roles.current, admin),
             Route("POST", "/v1/role", self.roles.handle, admin),
         ]
-        return secured_app(routes, self.config.server_auth, middlewares=[worker_error_middleware])
+        middlewares = [self.fence.middleware, worker_error_middleware]
+        return secured_app(routes, self.config.server_auth, middlewares=middlewares)
 
     async def _healthz(self, request: web.Request) -> web.Response:
         return web.json_response({"ok": True, "worker_id": self.worker_id})

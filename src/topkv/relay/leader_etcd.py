@@ -1,0 +1,141 @@
+"""etcd backend of leader election: one key held under an etcd lease, taken in a transaction.
+
+Layout: ``<prefix>/leader`` holds ``{"holder": ID, "address": URL}`` attached to the
+holder's lease (TTL = the election's lease). Acquiring is a transaction that creates the key
+only if it does not exist (``create_revision == 0``), so of two candidates at most one
+wins; renewing is a keepalive of that lease. A holder that stops renewing (killed, cut off)
+loses its lease after the TTL and etcd deletes the key, so the next try of another
+candidate takes it. The epoch of a leadership is the key's create revision: etcd's global
+revision at the winning transaction, higher for every later leadership.
+
+Connection, credentials and TLS are the registry's (:mod:`topkv.relay.etcd_access`,
+:mod:`topkv.relay.etcd_session`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from etcd3gw.client import Etcd3Client
+from etcd3gw.lease import Lease
+
+from topkv.errors import ConfigError
+from topkv.relay.etcd_access import EtcdAccess, parse_etcd_url
+from topkv.relay.etcd_session import ETCD_ERRORS, EtcdSession, explain_failure
+from topkv.relay.leader import Candidate, LeaderElectionError, LeaderRecord
+from topkv.relay.registry_base import RegistryError
+
+
+class EtcdLeaderBackend:
+    """Leader lock in etcd; see the module docstring."""
+
+    def __init__(self, access: EtcdAccess, lease_s: float, *, timeout_s: float = 2.0) -> None:
+        if lease_s < 2:
+            raise ConfigError(f"an etcd leader lease must be at least 2 s, got {lease_s}")
+        if access.tls is not None:
+            access.tls.check()
+        self._access = access
+        # etcd leases count whole seconds: round down so a holder never outlives lease_s.
+        self._ttl = math.floor(lease_s)
+        self._key = access.prefix.rstrip("/") + "/leader"
+        self._session = EtcdSession(access.endpoint, access.tls, access.login, timeout_s)
+        self._client = Etcd3Client(
+            host=access.host,
+            port=access.port,
+            protocol="https" if access.tls is not None else "http",
+            timeout=timeout_s,
+            session=self._session,
+        )
+        self._lease: Lease | None = None
+        self._epoch = 0
+        self._logged_in = False
+
+    @classmethod
+    def from_url(
+        cls, url: str, lease_s: float, env: Mapping[str, str] | None = None
+    ) -> EtcdLeaderBackend:
+        return cls(parse_etcd_url(url, env), lease_s)
+
+    def describe(self) -> str:
+        return f"{self._access.url()} key {self._key}"
+
+    def try_acquire_or_renew(self, candidate: Candidate) -> LeaderRecord:
+        try:
+            self._log_in()
+            if self._lease is not None and self._lease.refresh() <= 0:
+                self._lease = None  # expired: whatever it held is gone
+            current = self._read()
+            if current is None:
+                current = self._acquire(candidate)
+            elif self._lease is not None and current[1] != self._lease.id:
+                self._drop_lease()  # someone else holds the key: our lease guards nothing
+        except ETCD_ERRORS as exc:
+            raise self._error(exc, "electing a leader") from None
+        except RegistryError as exc:
+            raise LeaderElectionError(str(exc)) from None
+        if current is None:
+            return LeaderRecord(holder=None, address=None, epoch=self._epoch)
+        value, _lease_id, epoch = current
+        self._epoch = max(self._epoch, epoch)
+        return LeaderRecord(holder=value.get("holder"), address=value.get("address"), epoch=epoch)
+
+    def release(self, candidate: Candidate) -> None:
+        try:
+            self._drop_lease()
+        except ETCD_ERRORS as exc:
+            raise self._error(exc, "releasing leadership") from None
+
+    def close(self) -> None:
+        self._session.close()
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _log_in(self) -> None:
+        if not self._logged_in:
+            self._session.log_in(self._client.get_url("/auth/authenticate"))
+            self._logged_in = True
+
+    def _acquire(self, candidate: Candidate) -> tuple[dict[str, Any], int, int] | None:
+        if self._lease is None:
+            self._lease = self._client.lease(ttl=self._ttl)
+        value = json.dumps({"holder": candidate.identity, "address": candidate.address})
+        self._client.create(self._key, value, lease=self._lease)  # the transaction
+        return self._read()
+
+    def _read(self) -> tuple[dict[str, Any], int, int] | None:
+        """The key's value, lease id and create revision, or None when nobody holds it."""
+        found = self._client.get(self._key, metadata=True)
+        if not found:
+            return None
+        raw, meta = found[0]
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            value = None
+        if not isinstance(value, dict):
+            raise LeaderElectionError(
+                f"{self._key} in {self._access.url()} does not hold a leader record: delete it "
+                f"(etcdctl del {self._key}) if nothing else uses that key"
+            )
+        return value, int(meta.get("lease", 0)), int(meta.get("create_revision", 0))
+
+    def _drop_lease(self) -> None:
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            with contextlib.suppress(*ETCD_ERRORS):  # an expired lease is gone either way
+                lease.revoke()
+
+    def _error(self, exc: Exception, action: str) -> LeaderElectionError:
+        failure = explain_failure(
+            exc,
+            action=action,
+            endpoint=self._access.endpoint,
+            prefix=self._key,
+            login=self._access.login,
+            tls=self._access.tls,
+        )
+        return LeaderElectionError(str(failure))
