@@ -1,0 +1,290 @@
+"""What MoE routing knows about expert replicas: a fresh snapshot, stragglers, load factors.
+
+An :class:`ExpertReplica` is one copy of one expert (``layer``, ``expert``) on one worker,
+with the statistics that worker last reported. :meth:`ExpertSnapshot.build` keeps the
+entries that are fresh at the injected time (a worker that missed its heartbeats stops
+counting), flags stragglers and answers, per NVLink domain, which replica serves each
+expert and what it costs (:class:`DomainTable`, cached: the router asks it per request).
+
+Defaults (:class:`MoEWeights`), and why:
+
+* ``stale_after_s = 30``: three heartbeats of the default 10 s lease; an entry older than
+  that belongs to a worker whose lease has run out (the registry drops it too).
+* ``straggler_factor = 2.0``: a replica whose compute latency is over twice the baseline
+  is a straggler; the baseline is the lower quartile of all fresh replicas' latencies (not
+  the median: with two expert groups of which one is slow, the median sits between them).
+  Expert compute is the same GEMM shape everywhere, so healthy replicas sit within a few
+  tens of percent of each other (batch noise); 2x is far outside that and well inside the
+  5-10x of a throttled or contended GPU.
+* ``rate = 0.4, compute = 0.4, queue = 0.2`` (the load factor's weights): activation rate
+  (share of the mean rate) and normalised compute latency (share of the baseline) say how
+  busy a replica will be per step, equally; queue depth (over ``queue_norm``) says how far
+  behind it already is, and weighs less because it is the noisiest (one step's snapshot).
+* ``queue_norm = 8``: queue depth counted in units of 8 pending batches, a decode
+  engine's usual look-ahead, so a queue of 8 weighs like a doubled compute latency.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from topkv.policy.errors import PolicyInputError
+from topkv.policy.view import Endpoint
+
+#: One expert of one layer: ``(layer, expert)``.
+ExpertKey = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class MoEWeights:
+    """Every weight and threshold of MoE routing (the module docstring says why each)."""
+
+    stale_after_s: float = 30.0
+    straggler_factor: float = 2.0
+    rate: float = 0.4
+    compute: float = 0.4
+    queue: float = 0.2
+    queue_norm: float = 8.0
+
+    def __post_init__(self) -> None:
+        for name in ("stale_after_s", "rate", "compute", "queue"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise PolicyInputError(f"MoE weight {name}={value} must be finite and >= 0")
+        for name in ("straggler_factor", "queue_norm"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise PolicyInputError(f"MoE weight {name}={value} must be finite and > 0")
+
+
+DEFAULT_WEIGHTS = MoEWeights()
+
+
+@dataclass(frozen=True)
+class ExpertReplica:
+    """One replica of expert ``expert`` of layer ``layer``, hosted by ``worker_id``.
+
+    ``rate``: activations per second (an EMA); ``compute_s``: seconds one dispatched batch
+    takes on it (EMA); ``network_s``: the dispatch round trip the host measures (EMA);
+    ``queue_depth``: batches waiting; ``updated_at``: when its host last reported, on the
+    router's clock.
+    """
+
+    layer: int
+    expert: int
+    worker_id: str
+    domain: str | None
+    endpoint: Endpoint | None
+    rate: float
+    compute_s: float
+    network_s: float
+    queue_depth: int
+    updated_at: float
+    healthy: bool = True
+
+    @property
+    def key(self) -> ExpertKey:
+        return (self.layer, self.expert)
+
+    def __post_init__(self) -> None:
+        for name in ("rate", "compute_s", "network_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise PolicyInputError(
+                    f"expert {self.layer}/{self.expert} on {self.worker_id}: {name}={value} "
+                    "must be finite and >= 0"
+                )
+        if self.queue_depth < 0:
+            raise PolicyInputError(
+                f"expert {self.layer}/{self.expert} on {self.worker_id}: queue_depth "
+                f"{self.queue_depth} is negative"
+            )
+
+
+@dataclass(frozen=True)
+class HostShare:
+    """What one host serves for a domain: its share of the activations, the expected
+    compute seconds per activation over that share, and the share that is straggling."""
+
+    worker_id: str
+    endpoint: Endpoint | None
+    network_s: float
+    share: float = 0.0
+    compute_s: float = 0.0
+    load_factor: float = 0.0
+    straggling: float = 0.0
+
+
+@dataclass(frozen=True)
+class DomainTable:
+    """For a decode target in ``domain``: the replicas it would dispatch to, per host."""
+
+    domain: str | None
+    local_share: float
+    straggler_share: float
+    hosts: tuple[HostShare, ...]
+
+    @property
+    def load_factor(self) -> float:
+        """The activation-weighted load factor of the replicas this domain uses."""
+        return sum(h.load_factor for h in self.hosts)
+
+
+@dataclass
+class ExpertSnapshot:
+    """The fresh replicas at one instant, with stragglers flagged (see the module doc)."""
+
+    replicas: tuple[ExpertReplica, ...]
+    weights: MoEWeights
+    stragglers: frozenset[tuple[str, int, int]]
+    #: The baseline compute latency: the lower quartile of the fresh healthy replicas'.
+    baseline_compute_s: float
+    mean_rate: float
+    dropped_stale: int
+    _by_key: dict[ExpertKey, list[ExpertReplica]] = field(default_factory=dict)
+    _tables: dict[str | None, DomainTable] = field(default_factory=dict)
+
+    @classmethod
+    def build(
+        cls,
+        replicas: Iterable[ExpertReplica],
+        now: float,
+        weights: MoEWeights = DEFAULT_WEIGHTS,
+    ) -> ExpertSnapshot:
+        everything = list(replicas)
+        fresh = tuple(
+            sorted(
+                (r for r in everything if now - r.updated_at <= weights.stale_after_s),
+                key=lambda r: (r.layer, r.expert, r.worker_id),
+            )
+        )
+        usable = [r for r in fresh if r.healthy]
+        baseline = _lower_quartile([r.compute_s for r in usable])
+        mean_rate = statistics.fmean(r.rate for r in usable) if usable else 0.0
+        limit = weights.straggler_factor * baseline
+        stragglers = frozenset(
+            (r.worker_id, r.layer, r.expert) for r in usable if baseline > 0 and r.compute_s > limit
+        )
+        snapshot = cls(
+            fresh, weights, stragglers, baseline, mean_rate, len(everything) - len(fresh)
+        )
+        for r in usable:
+            snapshot._by_key.setdefault(r.key, []).append(r)
+        return snapshot
+
+    @property
+    def keys(self) -> tuple[ExpertKey, ...]:
+        return tuple(sorted(self._by_key))
+
+    @property
+    def straggler_workers(self) -> frozenset[str]:
+        return frozenset(worker for worker, _, _ in self.stragglers)
+
+    def is_straggler(self, r: ExpertReplica) -> bool:
+        return (r.worker_id, r.layer, r.expert) in self.stragglers
+
+    def load_factor(self, r: ExpertReplica) -> float:
+        """``rate * rate/mean + compute * compute/baseline + queue * depth/queue_norm``
+        (``baseline_compute_s``: the lower quartile of the latencies)."""
+        w = self.weights
+        rate = r.rate / self.mean_rate if self.mean_rate > 0 else 0.0
+        compute = r.compute_s / self.baseline_compute_s if self.baseline_compute_s > 0 else 0.0
+        return w.rate * rate + w.compute * compute + w.queue * r.queue_depth / w.queue_norm
+
+    def expected_shares(self) -> dict[ExpertKey, float]:
+        """Each expert's expected share of a token's activations, from the rates.
+
+        Per layer the rates of an expert's replicas are summed and normalised; every layer
+        weighs the same; a layer with no rate at all is uniform. The shares sum to 1.
+        """
+        by_layer: dict[int, dict[int, float]] = {}
+        for (layer, expert), reps in self._by_key.items():
+            by_layer.setdefault(layer, {})[expert] = sum(r.rate for r in reps)
+        shares: dict[ExpertKey, float] = {}
+        for layer, rates in by_layer.items():
+            total = sum(rates.values())
+            for expert, rate in rates.items():
+                each = rate / total if total > 0 else 1.0 / len(rates)
+                shares[(layer, expert)] = each / len(by_layer)
+        return shares
+
+    def serving(self, domain: str | None, key: ExpertKey) -> ExpertReplica | None:
+        """The replica a target in ``domain`` dispatches ``key`` to, as expert parallelism
+        places it: the one in ``domain`` when there is one (a straggler too: routing
+        avoids a straggler by choosing the target, not the replica); else the cheapest
+        (``compute * (1 + queue) + network``) that is not a straggler where one is not,
+        then the smallest worker id."""
+        reps = self._by_key.get(key)
+        if not reps:
+            return None
+        local = [r for r in reps if domain is not None and r.domain == domain]
+        pool = local or [r for r in reps if not self.is_straggler(r)] or reps
+        return min(
+            pool,
+            key=lambda r: (r.compute_s * (1 + r.queue_depth) + r.network_s, r.worker_id),
+        )
+
+    def table(
+        self, domain: str | None, shares: Mapping[ExpertKey, float] | None = None
+    ) -> DomainTable:
+        """Where a target in ``domain`` sends its activations (cached for the rate-derived
+        shares; ``shares`` from a prompt's known routing is computed afresh)."""
+        cacheable = shares is None
+        if cacheable and domain in self._tables:
+            return self._tables[domain]
+        if shares is None:
+            shares = self.expected_shares()
+        hosts: dict[str, dict[str, float]] = {}
+        meta: dict[str, ExpertReplica] = {}
+        local = straggling = 0.0
+        for key in sorted(shares):
+            share = shares[key]
+            r = self.serving(domain, key)
+            if r is None or share <= 0:
+                continue
+            acc = hosts.setdefault(
+                r.worker_id, {"share": 0.0, "compute": 0.0, "lf": 0.0, "st": 0.0}
+            )
+            meta.setdefault(r.worker_id, r)
+            acc["share"] += share
+            acc["compute"] += share * r.compute_s * (1 + r.queue_depth)
+            acc["lf"] += share * self.load_factor(r)
+            if self.is_straggler(r):
+                acc["st"] += share
+                straggling += share
+            if domain is not None and r.domain == domain:
+                local += share
+        table = DomainTable(
+            domain,
+            local,
+            straggling,
+            tuple(
+                HostShare(
+                    wid,
+                    meta[wid].endpoint,
+                    meta[wid].network_s,
+                    acc["share"],
+                    acc["compute"],
+                    acc["lf"],
+                    acc["st"],
+                )
+                for wid, acc in sorted(hosts.items())
+            ),
+        )
+        if cacheable:
+            self._tables[domain] = table
+        return table
+
+
+def _lower_quartile(values: list[float]) -> float:
+    """The 25th percentile (linear between order statistics); 0 for no values."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    pos = 0.25 * (len(ordered) - 1)
+    low = int(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
