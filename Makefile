@@ -10,7 +10,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml setup.py src/topkv/_copycrc.c
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev,model]'
+	$(BIN)/pip install --quiet -e '.[dev,model,kubernetes]'
 	touch $(STAMP)
 
 demo: install

@@ -23,6 +23,12 @@ from topkv.cli.auth_options import (
     worker_auth,
 )
 from topkv.cli.console import stdout_console
+from topkv.cli.leader_options import (
+    advertise_url_option,
+    leader_elect_config,
+    leader_elect_option,
+    lease_seconds_option,
+)
 from topkv.cli.security_options import (
     apply_etcd_env,
     check_etcd_env,
@@ -127,6 +133,9 @@ def orchestrator_command(
     etcd_ca: Path | None = etcd_ca_option(),
     etcd_cert: Path | None = etcd_cert_option(),
     etcd_key: Path | None = etcd_key_option(),
+    leader_elect: str | None = leader_elect_option(),
+    lease_seconds: float = lease_seconds_option(),
+    advertise_url: str | None = advertise_url_option(),
 ) -> None:
     """Run the orchestrator: HTTP API, registry, relay, /metrics."""
     from topkv.service.http_api import OrchestratorServiceConfig, serve_orchestrator
@@ -152,6 +161,7 @@ def orchestrator_command(
             attempt_timeout_s=attempt_timeout,
             retry=RetryPolicy(max_retries=retries, backoff_s=backoff),
         ),
+        leader_elect=leader_elect_config(leader_elect, lease_seconds, advertise_url),
     )
 
     async def main(stop: asyncio.Event) -> None:

@@ -87,6 +87,7 @@ from topkv.service.httputil import (
     model_response,
     read_model,
 )
+from topkv.service.leadership import LeaderElectConfig, Leadership
 from topkv.service.messages import LayoutModel, PrefillRequest
 from topkv.service.openapi import openapi_document
 from topkv.service.registrations import RegistrationLimits, Registrations
@@ -116,8 +117,14 @@ class OrchestratorServiceConfig:
     #: How fast one worker token may register, and how many worker ids it may hold.
     registration_limits: RegistrationLimits = field(default_factory=RegistrationLimits)
     tls: TLSConfig | None = None
+    #: Campaign for leadership (``--leader-elect``); None: this orchestrator always leads.
+    leader_elect: LeaderElectConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.leader_elect is not None and self.registry == "memory":
+            raise ConfigError(
+                "--leader-elect needs a registry the orchestrators share: --registry etcd://..."
+            )
         if self.max_body_bytes < 1024:
             raise ConfigError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
         if isinstance(self.auth, Required):
@@ -186,6 +193,7 @@ class OrchestratorService:
             ["result"],
             registry=self.orchestrator.metrics.registry,
         )
+        self.leadership = Leadership(config.leader_elect, self.executor)
         self._registrations = Registrations(self.registry, config.registration_limits)
         self._checks: OrderedDict[int, DecodeCheck] = OrderedDict()
         self._generate: OrderedDict[int, int] = OrderedDict()  # request -> new_tokens
@@ -207,6 +215,7 @@ class OrchestratorService:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
+        await self.leadership.stop()
         await self.orchestrator.close()
         for task in list(self._decode_tasks):
             task.cancel()
@@ -311,6 +320,7 @@ class OrchestratorService:
             Route("PUT", "/v1/workers/{worker_id}/heartbeat", self.heartbeat_worker, Access.WORKER),
             Route("DELETE", "/v1/workers/{worker_id}", self.deregister_worker, Access.WORKER),
             Route("GET", "/v1/topology", self.topology, Access.ADMIN),
+            Route("GET", "/v1/leader", self.leadership.leader, Access.PUBLIC),
             Route("GET", "/healthz", self.healthz, Access.PUBLIC),
             Route("GET", "/readyz", self.readyz, Access.PUBLIC),
             Route("GET", "/metrics", self.metrics, Access.METRICS),
@@ -319,7 +329,7 @@ class OrchestratorService:
         return secured_app(
             routes,
             self.config.server_auth,
-            middlewares=[_error_middleware],
+            middlewares=[self.leadership.middleware, _error_middleware],
             client_max_size=self.config.max_body_bytes,
         )
 
@@ -573,6 +583,7 @@ async def serve_orchestrator(
         log.info(
             "orchestrator listening on %s (registry %s)", url, redact_registry_url(config.registry)
         )
+        service.leadership.start(url)
         if on_ready is not None and not on_ready.done():
             on_ready.set_result(url)
         await stop.wait()

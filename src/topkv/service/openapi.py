@@ -59,6 +59,24 @@ def _id_param(name: str, description: str, integer: bool = True) -> dict[str, An
     }
 
 
+#: GET /v1/leader: the holder (null: none), its epoch, this orchestrator's id.
+_LEADER = {
+    "application/json": {
+        "schema": {
+            "type": "object",
+            "required": ["leader", "epoch", "self"],
+            "properties": {
+                "leader": {"type": ["string", "null"]},
+                "epoch": {"type": "integer"},
+                "self": {"type": "string"},
+                "leader_address": {"type": ["string", "null"]},
+                "acting": {"type": "boolean"},
+            },
+        }
+    }
+}
+
+
 @cache
 def openapi_document() -> dict[str, Any]:
     """The whole document (cached; it depends only on the code)."""
@@ -155,6 +173,12 @@ def openapi_document() -> dict[str, Any]:
             "get": {
                 "summary": "Path candidates of every prefill -> decode pair",
                 "responses": {"200": {"description": "topology", "content": _json(TopologyView)}},
+            }
+        },
+        "/v1/leader": {
+            "get": {
+                "summary": "Who leads (leader election; any caller; docs/kubernetes.md)",
+                "responses": {"200": {"description": "leader", "content": _LEADER}},
             }
         },
         "/healthz": {

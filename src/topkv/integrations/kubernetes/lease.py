@@ -1,0 +1,217 @@
+"""Kubernetes backend of leader election: a ``coordination.k8s.io/v1`` Lease, through
+``lightkube`` (the ``kubernetes`` extra), with client-go's ``LeaseLock`` semantics.
+
+One try (client-go ``tryAcquireOrRenew``):
+
+1. GET the Lease; 404: CREATE it held by this candidate (``leaseTransitions`` 0); a 409
+   there means another candidate created it first: this try lost.
+2. Held by someone else and not expired: respect it. *Expired* is judged as client-go does,
+   on the local clock: the record has not changed for ``leaseDurationSeconds`` since this
+   candidate first observed it (no trust in the holder's clock). A record whose
+   ``renewTime`` is older than twice its duration by this clock is expired at once (an
+   unknown holder that is long gone: one lease of slack covers clock skew).
+3. Otherwise UPDATE (PUT) it with this holder, ``renewTime`` now, ``acquireTime`` and
+   ``leaseTransitions + 1`` when the holder changes. The PUT carries the
+   ``resourceVersion`` read in 1, so of two concurrent updates the API server takes one and
+   answers the other 409 (optimistic concurrency): that try lost.
+
+The epoch of a leadership is ``leaseTransitions``. The holder's address is kept in the
+Lease annotation ``topkv.io/leader-address``. Every API failure (403, 409, 5xx, timeouts)
+becomes a :class:`~topkv.relay.leader.LeaderElectionError` with one clear line; the election
+loop retries it with bounded backoff.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import httpx2
+from lightkube import ApiError, Client, KubeConfig
+from lightkube.models.coordination_v1 import LeaseSpec
+from lightkube.models.meta_v1 import ObjectMeta
+from lightkube.resources.coordination_v1 import Lease
+
+from topkv.relay.leader import Candidate, ElectionTiming, LeaderElectionError, LeaderRecord
+
+DEFAULT_LEASE_NAME = "topkv-orchestrator"
+ADDRESS_ANNOTATION = "topkv.io/leader-address"
+T = TypeVar("T")
+
+
+def _utcnow() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+class KubernetesLeaseBackend:
+    """Leader lock in one Lease; see the module docstring."""
+
+    def __init__(
+        self,
+        client: Client,
+        namespace: str,
+        timing: ElectionTiming,
+        *,
+        name: str = DEFAULT_LEASE_NAME,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], dt.datetime] = _utcnow,
+    ) -> None:
+        self._client = client
+        self.namespace = namespace
+        self.name = name
+        self._timing = timing
+        self._clock = clock
+        self._wall = wall
+        self._observed: tuple[str, ...] | None = None  # the record last seen ...
+        self._observed_at = 0.0  # ... and when (local monotonic clock)
+        self._epoch = 0
+
+    @classmethod
+    def in_cluster(cls, namespace: str | None, timing: ElectionTiming) -> KubernetesLeaseBackend:
+        """From the pod's service account (or ``$KUBECONFIG`` / ``~/.kube/config``);
+        ``namespace`` None: the pod's own (the config's)."""
+        try:
+            config = KubeConfig.from_env()
+        except Exception as exc:  # lightkube raises its ConfigError or OSError
+            raise LeaderElectionError(
+                f"no Kubernetes credentials for --leader-elect k8s ({exc}): run in a pod with a "
+                "service account, or set KUBECONFIG"
+            ) from None
+        client = Client(config, namespace=namespace, timeout=_timeout(timing))
+        return cls(client, namespace or client.namespace, timing)
+
+    @classmethod
+    def for_server(
+        cls, url: str, namespace: str, timing: ElectionTiming, *, name: str = DEFAULT_LEASE_NAME
+    ) -> KubernetesLeaseBackend:
+        """Against the API server at ``url`` without credentials (tests' stand-in)."""
+        client = Client(KubeConfig.from_server(url), namespace=namespace, timeout=_timeout(timing))
+        return cls(client, namespace, timing, name=name)
+
+    def describe(self) -> str:
+        return f"Lease {self.namespace}/{self.name}"
+
+    def try_acquire_or_renew(self, candidate: Candidate) -> LeaderRecord:
+        lease = self._call("reading", lambda: self._get())
+        if lease is None:
+            self._call("creating", lambda: self._client.create(self._fresh(candidate, 0)))
+            return self._record_of(candidate.identity, candidate.address, 0)
+        spec = lease.spec or LeaseSpec()
+        holder = spec.holderIdentity or None
+        epoch = spec.leaseTransitions or 0
+        address = (
+            (lease.metadata.annotations or {}).get(ADDRESS_ANNOTATION) if lease.metadata else None
+        )
+        self._observe(spec)
+        if holder is not None and holder != candidate.identity and not self._expired(spec):
+            return self._record_of(holder, address, epoch)
+        if holder != candidate.identity:
+            epoch += 1  # a new holder: one more transition
+            spec.acquireTime = self._wall()
+        spec.holderIdentity = candidate.identity
+        spec.leaseDurationSeconds = max(1, round(self._timing.lease_s))
+        spec.leaseTransitions = epoch
+        spec.renewTime = self._wall()
+        if spec.acquireTime is None:
+            spec.acquireTime = spec.renewTime
+        lease.spec = spec
+        assert lease.metadata is not None
+        annotations = dict(lease.metadata.annotations or {})
+        annotations[ADDRESS_ANNOTATION] = candidate.address
+        lease.metadata.annotations = annotations
+        self._call("updating", lambda: self._client.replace(lease))  # 409 on a stale version
+        self._observe(spec)
+        return self._record_of(candidate.identity, candidate.address, epoch)
+
+    def release(self, candidate: Candidate) -> None:
+        """client-go's ReleaseOnCancel: empty the holder, keep the transitions."""
+        lease = self._call("reading", lambda: self._get())
+        if lease is None or lease.spec is None or lease.spec.holderIdentity != candidate.identity:
+            return
+        lease.spec.holderIdentity = None
+        lease.spec.leaseDurationSeconds = 1
+        lease.spec.renewTime = self._wall()
+        self._call("releasing", lambda: self._client.replace(lease))
+
+    def close(self) -> None:
+        self._client.close()
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _get(self) -> Lease | None:
+        try:
+            return self._client.get(Lease, self.name, namespace=self.namespace)
+        except ApiError as exc:
+            if exc.status.code == 404:
+                return None
+            raise
+
+    def _fresh(self, candidate: Candidate, epoch: int) -> Lease:
+        now = self._wall()
+        return Lease(
+            metadata=ObjectMeta(
+                name=self.name,
+                namespace=self.namespace,
+                annotations={ADDRESS_ANNOTATION: candidate.address},
+            ),
+            spec=LeaseSpec(
+                holderIdentity=candidate.identity,
+                leaseDurationSeconds=max(1, round(self._timing.lease_s)),
+                acquireTime=now,
+                renewTime=now,
+                leaseTransitions=epoch,
+            ),
+        )
+
+    def _observe(self, spec: LeaseSpec) -> None:
+        key = (
+            str(spec.holderIdentity),
+            str(spec.renewTime),
+            str(spec.leaseTransitions),
+            str(spec.leaseDurationSeconds),
+        )
+        if key != self._observed:
+            self._observed, self._observed_at = key, self._clock()
+
+    def _expired(self, spec: LeaseSpec) -> bool:
+        duration = float(spec.leaseDurationSeconds or self._timing.lease_s)
+        if self._clock() - self._observed_at >= duration:
+            return True  # unchanged for a whole lease since this candidate saw it
+        renewed = spec.renewTime
+        if renewed is None:
+            return True
+        if renewed.tzinfo is None:
+            renewed = renewed.replace(tzinfo=dt.UTC)
+        return (self._wall() - renewed).total_seconds() > 2 * duration
+
+    def _record_of(self, holder: str, address: str | None, epoch: int) -> LeaderRecord:
+        self._epoch = max(self._epoch, epoch)
+        return LeaderRecord(holder=holder, address=address, epoch=epoch)
+
+    def _call(self, action: str, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except ApiError as exc:
+            code = exc.status.code
+            reason = {
+                403: "forbidden: the service account needs get/create/update on "
+                "coordination.k8s.io leases in this namespace (deploy/base/rbac.yaml)",
+                404: "not found",
+                409: "conflict: another candidate changed it first (this try lost)",
+            }.get(code or 0, f"HTTP {code}")
+            raise LeaderElectionError(
+                f"{action} {self.describe()} failed: {reason}; {exc.status.message or ''}".rstrip(
+                    "; "
+                )
+            ) from None
+        except httpx2.HTTPError as exc:
+            raise LeaderElectionError(
+                f"{action} {self.describe()} failed: {exc.__class__.__name__}: {exc}"
+            ) from None
+
+
+def _timeout(timing: ElectionTiming) -> httpx2.Timeout:
+    # A call must end well within the renew deadline, leaving room for the next try.
+    return httpx2.Timeout(max(0.5, timing.renew_deadline_s / 3))
