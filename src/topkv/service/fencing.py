@@ -38,6 +38,7 @@ class EpochFence:
         self.highest = epoch
         return True
 
+    @web.middleware
     async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         text = request.headers.get(EPOCH_HEADER)
         if text is None:
