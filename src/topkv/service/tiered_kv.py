@@ -1,0 +1,388 @@
+"""A decode worker's KV tiers in use: at most K caches on the device, the rest demoted.
+
+:class:`TieredKV` watches the worker's :class:`~topkv.service.kvstore.KVStore`:
+
+* :meth:`admit` (a verified copy arrived): the KV starts on the device; while more than K
+  are there, the least soon needed movable one (:func:`topkv.policy.tiers.choose_victims`,
+  judged by the decode queue) is written to the fastest lower tier with room
+  (:func:`~topkv.policy.tiers.place`; disk only where :func:`~topkv.policy.tiers.
+  admit_to_disk` allows). A tier that is full or fails the write is skipped and the next
+  one tried; every failure is counted and named. The device copy is freed only once the
+  lower copy is whole, so a failed write loses nothing. When no tier takes it, the
+  arrival is refused (:class:`~topkv.service.kvstore.CapacityExceeded`: the orchestrator
+  reroutes or recomputes).
+* :meth:`begin_decode` pins the KV and, if it is not on the device, starts its promotion;
+  :meth:`DecodeTicket.wait` (on the engine's thread, when the engine takes the decode)
+  blocks until it is back: that wait is the *exposed* promotion time.
+* :meth:`end_decode` unpins it and prefetches (:func:`~topkv.policy.tiers.prefetch_order`)
+  the demoted caches needed next into free device slots, so their decode need not wait.
+
+Every move runs on the tier I/O threads (never the event loop), one at a time per request.
+Each request's trail (the tiers its KV visited, promotion and exposed promotion time) is
+what ``POST /v1/kv/{id}/decode`` reports.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from topkv.policy.clock import MonotonicClock
+from topkv.policy.tiers import (
+    PAPER_TIERS,
+    Resident,
+    Running,
+    TierModel,
+    TierSpec,
+    admit_to_disk,
+    choose_victims,
+    next_use_s,
+    place,
+    prefetch_order,
+)
+from topkv.service.kvstore import CapacityExceeded, HeldKV
+from topkv.service.tier_config import TierConfig, build_tier_stores
+from topkv.service.tier_stores import TierFull, TierKVLost, TierStore, TierWriteFailed
+from topkv.topology.tiers import TierInventory, discover_tier_inventory
+
+log = logging.getLogger(__name__)
+
+DEVICE = "device"
+
+
+@dataclass
+class TierTrail:
+    """One request's KV through the tiers."""
+
+    tiers: list[str] = field(default_factory=lambda: [DEVICE])
+    promotion_s: float = 0.0
+    exposed_promotion_s: float = 0.0
+    failures: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Entry:
+    kv: HeldKV
+    tier: str = DEVICE
+    pinned: bool = False
+    moving: bool = False  # chosen as a victim, its demotion under way
+    last_use_s: float = 0.0
+    busy: Future[None] | None = None
+
+
+@dataclass
+class DecodeTicket:
+    """A decode's claim on its KV; :meth:`wait` returns the seconds it waited for it."""
+
+    request_id: int
+    trail: TierTrail
+    ready: Future[None] | None
+
+    def wait(self) -> float:
+        if self.ready is None:
+            return 0.0
+        started = time.perf_counter()
+        self.ready.result()  # raises TierKVLost: the request must be recomputed
+        exposed = time.perf_counter() - started
+        self.trail.exposed_promotion_s += exposed
+        return exposed
+
+
+class TieredKV:
+    """The device tier (K caches) over the lower tier stores, fastest first."""
+
+    def __init__(self, config: TierConfig, stores: list[TierStore], device: TierSpec) -> None:
+        self.config = config
+        self.capacity = config.device_capacity
+        self.device = device
+        self.stores = {s.spec.name: s for s in stores}
+        self.model = TierModel([device, *(s.spec for s in stores)], MonotonicClock())
+        self.trails: dict[int, TierTrail] = {}
+        self.counters: dict[str, int] = {
+            "demotions": 0,
+            "promotions": 0,
+            "prefetches": 0,
+            "failovers": 0,
+            "refused": 0,
+            "lost": 0,
+            "over_capacity": 0,
+        }
+        self.bytes_moved: dict[tuple[str, str], int] = {}
+        self.failures: dict[tuple[str, str], int] = {}
+        self._entries: dict[int, _Entry] = {}
+        self._queue: list[int] = []  # arrived, not decoded yet, in arrival order
+        self._running: dict[int, int] = {}  # request -> tokens it decodes
+        self._step_s = 0.01
+        self._tokens = 16
+        self._lock = threading.RLock()
+        self._io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-tiers")
+
+    # -- state the policy reads ----------------------------------------------------------------
+
+    def _needed_in(self) -> dict[int, float]:
+        running = [Running(r, n) for r, n in self._running.items()]
+        return next_use_s(
+            running, self._queue, slots=1, step_s=self._step_s, tokens_per_request=self._tokens
+        )
+
+    def _resident(self, rid: int, e: _Entry) -> Resident:
+        moving = e.moving or (e.busy is not None and not e.busy.done())
+        return Resident(rid, e.tier, e.kv.layout.total_bytes, e.last_use_s, e.pinned or moving)
+
+    def on_device(self) -> list[int]:
+        with self._lock:
+            return [r for r, e in self._entries.items() if e.tier == DEVICE]
+
+    def tier_of(self, request_id: int) -> str | None:
+        with self._lock:
+            e = self._entries.get(request_id)
+            return None if e is None else e.tier
+
+    # -- moves (on the tier I/O threads) -------------------------------------------------------
+
+    def _chain(self, e: _Entry, job: Callable[[], None]) -> Future[None]:
+        """Run ``job`` after the entry's previous move (one move at a time per request)."""
+        prev = e.busy
+
+        def run() -> None:
+            if prev is not None:
+                with contextlib.suppress(Exception):  # its failure was recorded by it
+                    prev.result()
+            job()
+
+        e.busy = self._io.submit(run)
+        return e.busy
+
+    def _demote(self, rid: int, e: _Entry) -> bool:
+        """Write the device copy to a lower tier, then free it; False when no tier took it."""
+        kv = e.kv
+        nbytes = kv.layout.total_bytes
+        trail = self.trails[rid]
+        with self._lock:
+            needed = self._needed_in().get(rid, float("inf"))
+        tried: list[str] = []
+        specs = [s.spec for s in self.stores.values()]
+        while True:
+            disk = next((s.name for s in specs if s.kind == "disk"), None)
+            allow_disk = disk is None or admit_to_disk(needed, nbytes, self.model, disk)
+            free = {name: s.free_bytes for name, s in self.stores.items()}
+            target = place(nbytes, specs, free, allow_disk=allow_disk, skip=tried)
+            if target is None:
+                return False
+            store = self.stores[target.name]
+            started = time.perf_counter()
+            try:
+                with kv.use():
+                    store.write(rid, kv.layers, kv.crcs, kv.layout)
+            except (TierFull, TierWriteFailed) as exc:
+                kind = "full" if isinstance(exc, TierFull) else "write_failed"
+                with self._lock:
+                    self.failures[(target.name, kind)] = (
+                        self.failures.get((target.name, kind), 0) + 1
+                    )
+                    self.counters["failovers"] += 1
+                trail.failures.append(str(exc))
+                log.warning("request %s: %s; trying the next tier", rid, exc)
+                tried.append(target.name)
+                continue
+            self.model.record(target.name, "write", nbytes, time.perf_counter() - started)
+            with kv.use():
+                release, kv.release = kv.release, None
+                kv.layers = []
+            if release is not None:
+                release()
+            with self._lock:
+                e.tier = target.name
+                self.counters["demotions"] += 1
+                key = (DEVICE, target.name)
+                self.bytes_moved[key] = self.bytes_moved.get(key, 0) + nbytes
+            trail.tiers.append(target.name)
+            return True
+
+    def _promote(self, rid: int, e: _Entry, *, prefetch: bool) -> None:
+        if e.tier == DEVICE:
+            return
+        if not self._evict_until_fits(extra=1):
+            with self._lock:
+                self.counters["over_capacity"] += 1
+        tier = e.tier
+        store = self.stores[tier]
+        kv = e.kv
+        started = time.perf_counter()
+        try:
+            layers = store.read(rid, kv.layout, kv.crcs)
+        except TierKVLost as exc:
+            with self._lock:
+                self.counters["lost"] += 1
+                self.failures[(tier, "lost")] = self.failures.get((tier, "lost"), 0) + 1
+            self.trails[rid].failures.append(str(exc))
+            raise
+        seconds = time.perf_counter() - started
+        self.model.record(tier, "read", kv.layout.total_bytes, seconds)
+        with kv.use():
+            kv.layers = layers
+        store.drop(rid)
+        with self._lock:
+            e.tier = DEVICE
+            self.counters["promotions"] += 1
+            self.counters["prefetches"] += int(prefetch)
+            key = (tier, DEVICE)
+            self.bytes_moved[key] = self.bytes_moved.get(key, 0) + kv.layout.total_bytes
+        trail = self.trails[rid]
+        trail.promotion_s += seconds
+        trail.tiers.append(DEVICE)
+
+    def _evict_until_fits(self, *, extra: int) -> bool:
+        """Demote least-soon-needed device residents, one at a time, until the device holds
+        at most K with ``extra`` more; False when one cannot be demoted (nothing movable, or
+        no lower tier takes it)."""
+        while True:
+            with self._lock:
+                device = [r for r, e in self._entries.items() if e.tier == DEVICE]
+                if len(device) + extra <= self.capacity:
+                    return True
+                ones = [
+                    Resident(r.request_id, r.tier, 1, r.last_use_s, r.pinned)
+                    for r in (self._resident(r, self._entries[r]) for r in device)
+                ]
+                victims = choose_victims(ones, self._needed_in(), 1, 0)
+                if not victims:
+                    return False
+                rid = victims[0].request_id
+                entry = self._entries[rid]
+                entry.moving = True
+            try:
+                ok = self._demote(rid, entry)
+            finally:
+                entry.moving = False
+            if not ok:
+                return False
+
+    # -- what the worker calls -----------------------------------------------------------------
+
+    def admit(self, kv: HeldKV) -> None:
+        """A verified copy arrived (call off the event loop): make room for it on the device.
+
+        Raises :class:`CapacityExceeded` (and forgets it) when no lower tier can take the
+        least soon needed cache."""
+        rid = kv.request_id
+        with self._lock:
+            self._entries[rid] = _Entry(kv, last_use_s=time.monotonic())
+            self.trails[rid] = TierTrail()
+            self._queue.append(rid)
+        if self._evict_until_fits(extra=0):
+            return
+        with self._lock:
+            self.counters["refused"] += 1
+            failures = self.trails[rid].failures
+            self._forget_locked(rid)
+            self.trails.pop(rid, None)
+        raise CapacityExceeded(
+            f"request {rid}: the device holds {self.capacity} KV caches and no lower tier "
+            f"could take one ({'; '.join(failures) or 'every tier is full'})"
+        )
+
+    def begin_decode(self, kv: HeldKV, tokens: int) -> DecodeTicket:
+        rid = kv.request_id
+        with self._lock:
+            e = self._entries.get(rid)
+            if e is None:  # not admitted through the tiers (e.g. the worker's own prefill)
+                return DecodeTicket(rid, TierTrail(), None)
+            e.pinned = True
+            if rid in self._queue:
+                self._queue.remove(rid)
+            self._running[rid] = tokens
+            ready = None
+            if e.tier != DEVICE or (e.busy is not None and not e.busy.done()):
+                ready = self._chain(e, lambda: self._promote(rid, e, prefetch=False))
+            return DecodeTicket(rid, self.trails[rid], ready)
+
+    def end_decode(self, ticket: DecodeTicket, seconds: float, tokens: int) -> None:
+        with self._lock:
+            e = self._entries.get(ticket.request_id)
+            self._running.pop(ticket.request_id, None)
+            if e is not None:
+                e.pinned = False
+                e.last_use_s = time.monotonic()
+            if tokens > 0 and seconds > 0:
+                self._step_s = 0.7 * self._step_s + 0.3 * seconds / tokens
+                self._tokens = max(1, round(0.7 * self._tokens + 0.3 * tokens))
+        self.prefetch()
+
+    def prefetch(self) -> None:
+        """Promote the demoted caches needed soonest into the device's free slots."""
+        with self._lock:
+            free = self.capacity - sum(1 for e in self._entries.values() if e.tier == DEVICE)
+            if free <= 0:
+                return
+            demoted = [
+                self._resident(r, e)
+                for r, e in self._entries.items()
+                if e.tier != DEVICE and (e.busy is None or e.busy.done())
+            ]
+            due = prefetch_order(
+                demoted, self._needed_in(), self.model, lookahead_s=self.config.lookahead_s
+            )
+            for r in due[:free]:
+                entry = self._entries[r.request_id]
+                self._chain(entry, functools.partial(self._promote_quietly, r.request_id, entry))
+
+    def _promote_quietly(self, rid: int, e: _Entry) -> None:
+        try:
+            self._promote(rid, e, prefetch=True)
+        except TierKVLost as exc:
+            log.warning("prefetch of request %s failed: %s", rid, exc)
+
+    def forget(self, request_id: int) -> TierTrail | None:
+        """The KV is released: drop every copy of it (call off the event loop)."""
+        with self._lock:
+            e = self._entries.get(request_id)
+        if e is not None and e.busy is not None:
+            with contextlib.suppress(Exception):
+                e.busy.result()
+        with self._lock:
+            trail = self.trails.pop(request_id, None)
+            self._forget_locked(request_id)
+        self.prefetch()
+        return trail
+
+    def _forget_locked(self, rid: int) -> None:
+        self._entries.pop(rid, None)
+        self._running.pop(rid, None)
+        if rid in self._queue:
+            self._queue.remove(rid)
+        for store in self.stores.values():
+            store.drop(rid)
+
+    def close(self) -> None:
+        self._io.shutdown(wait=True)
+        for store in self.stores.values():
+            store.close()
+
+
+def open_tiered_kv(config: TierConfig, inventory: TierInventory | None = None) -> TieredKV:
+    """The worker's tiers: the lower stores checked against this host (refused with the
+    numbers when they do not fit), under a device tier of ``config.device_capacity`` caches.
+
+    The device tier is the memory the worker holds received KV in: host memory, standing in
+    for GPU memory (the engines decode from host buffers), and labelled so."""
+    inventory = inventory or discover_tier_inventory(use_nvml=False)
+    stores = build_tier_stores(config, inventory)
+    gpus = len(inventory.gpu_memory_bytes)
+    device = TierSpec(
+        DEVICE,
+        "device",
+        0,
+        PAPER_TIERS["hbm"].latency_s,
+        PAPER_TIERS["hbm"].bandwidth_gbps,
+        emulated=True,
+        backing=f"host memory standing in for GPU memory ({gpus} GPU(s) seen: "
+        f"{inventory.sources.get('gpu', '?')}), {config.device_capacity} KV caches",
+    )
+    return TieredKV(config, stores, device)
