@@ -33,7 +33,10 @@ from topkv.relay.registry_base import RegistryError
 class EtcdLeaderBackend:
     """Leader lock in etcd; see the module docstring."""
 
-    def __init__(self, access: EtcdAccess, lease_s: float, *, timeout_s: float = 2.0) -> None:
+    def __init__(
+        self, access: EtcdAccess, lease_s: float, *, timeout_s: float | None = None
+    ) -> None:
+        """``timeout_s``: per etcd call (default: a quarter of the lease, at most 5 s)."""
         if lease_s < 2:
             raise ConfigError(f"an etcd leader lease must be at least 2 s, got {lease_s}")
         if access.tls is not None:
@@ -42,12 +45,13 @@ class EtcdLeaderBackend:
         # etcd leases count whole seconds: round down so a holder never outlives lease_s.
         self._ttl = math.floor(lease_s)
         self._key = access.prefix.rstrip("/") + "/leader"
-        self._session = EtcdSession(access.endpoint, access.tls, access.login, timeout_s)
+        timeout = timeout_s if timeout_s is not None else min(5.0, lease_s / 4)
+        self._session = EtcdSession(access.endpoint, access.tls, access.login, timeout)
         self._client = Etcd3Client(
             host=access.host,
             port=access.port,
             protocol="https" if access.tls is not None else "http",
-            timeout=timeout_s,
+            timeout=timeout,
             session=self._session,
         )
         self._lease: Lease | None = None

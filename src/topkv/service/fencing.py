@@ -39,6 +39,7 @@ class EpochFence:
         return True
 
     @web.middleware
+    @web.middleware
     async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         text = request.headers.get(EPOCH_HEADER)
         if text is None:

@@ -100,6 +100,7 @@ class Leadership:
     async def leader(self, request: web.Request) -> web.Response:
         return web.json_response(self._view())
 
+    @web.middleware
     async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.method in _READ_ONLY or self.acting():
             return await handler(request)
