@@ -73,7 +73,10 @@ def test_compute_times_are_ready_intervals_plus_tail() -> None:
 def test_link_times_from_a_serial_send() -> None:
     # all layers offered at t=0; the paced link released them at 1, 3, 6; each landed 0.5 later
     times = link_times_from_serial([0.0, 0.0, 0.0], [1.0, 3.0, 6.0], [1.5, 3.5, 6.5])
-    assert times == [1.5, 2.5, 3.5]  # slot + median delivery latency
+    assert times == [1.5, 2.5, 3.5]  # slot + delivery latency
+    # the medium queued layers 1 and 2 behind layer 0 (landed 1.5 and 2.0 s after release):
+    # the medium's own time per layer is still 0.5 s
+    assert link_times_from_serial([0.0] * 3, [1.0, 3.0, 6.0], [1.5, 4.5, 8.0]) == times
     with pytest.raises(DemoError, match="landing"):
         link_times_from_serial([0.0], [1.0], [math.nan])
     with pytest.raises(DemoError, match="match"):

@@ -13,6 +13,7 @@ from rich.live import Live
 
 from topkv.cli.console import stdout_console
 from topkv.demo.errors import DemoError
+from topkv.harness.stand_in import DEFAULT_STAND_IN
 from topkv.jsonout import dumps
 
 
@@ -24,8 +25,21 @@ def demo_command(
     ),
     seed: int = typer.Option(0, "--seed", help="Seed of the demo model's weights and prompts."),
     new_tokens: int = typer.Option(8, "--new-tokens", min=1, help="Tokens generated each."),
-    dilation: float = typer.Option(
-        3000.0, "--dilation", help="Emulated links run this many times slower than modelled."
+    dilation: float | None = typer.Option(
+        None,
+        "--dilation",
+        help="Emulated links run this many times slower than modelled (default: derived from "
+        "--stand-in; given, the comparison represents no deployment).",
+        show_default=False,
+    ),
+    stand_in: str = typer.Option(
+        DEFAULT_STAND_IN,
+        "--stand-in",
+        help="MODEL[@CLUSTER] the demo stands for (a catalog model, a topkv sim cluster): "
+        "its link-to-compute ratio sets the dilation, and topkv sim checks the result on it.",
+    ),
+    pipelining: str = typer.Option(
+        "on", "--pipelining", help="on (stream layer by layer) or off (send after prefill)."
     ),
     speedup: float = typer.Option(
         1.5, "--speedup", help="Replay the trace's arrivals this many times faster."
@@ -44,7 +58,12 @@ def demo_command(
     from topkv.demo.runner import DemoOptions, DemoRun
     from topkv.engine import model_extra_available
     from topkv.engine.deps import INSTALL_HINT
+    from topkv.harness.sim_check import sim_check
+    from topkv.harness.stand_in import Deployment
 
+    if pipelining not in ("on", "off"):
+        raise DemoError(f"--pipelining {pipelining!r}: use on or off")
+    deployment = Deployment.parse(stand_in)
     options = DemoOptions(
         requests=requests,
         seed=seed,
@@ -53,10 +72,11 @@ def demo_command(
         dilation=dilation,
         speedup=speedup,
         trace=trace,
+        pipelining=pipelining == "on",
     )
     started = time.perf_counter()
     # reads the trace and the topology: a bad file fails here, before any model or worker
-    run = DemoRun(options)
+    run = DemoRun(options, stand_in=deployment.stand_in)
     if not model_extra_available():
         raise DemoError(f"the demo runs a real model: {INSTALL_HINT}")
     _interrupt_on_signals()
@@ -75,17 +95,26 @@ def demo_command(
             live.stop()
             err.print("topkv demo: interrupted; every worker process was stopped")
             raise typer.Exit(130) from None
-    summary = summarize(results, options, time.perf_counter() - started, run.model_id)
+    assert run.dilation is not None  # set by the warm-up of a run that finished
+    summary = summarize(results, options, time.perf_counter() - started, run.model_id, run.dilation)
+    summary["sim_check"] = sim_check(
+        deployment,
+        results,
+        summary,
+        pipelining=options.pipelining,
+        decode_slots=options.decode_capacity,
+        new_tokens=options.new_tokens,
+    )
     if as_json:
         payload = {
             "requests": [request_json(r) for r in results],
             "summary": summary,
-            "options": options_json(options),
+            "options": options_json(options, run.dilation.factor),
         }
         sys.stdout.write(dumps(payload) + "\n")
     else:
         out = stdout_console()
-        out.print(results_table(results, options.dilation))
+        out.print(results_table(results, run.dilation.factor))
         out.print(summary_text(summary))
     if not summary["all_tokens_identical"]:
         raise typer.Exit(1)

@@ -37,18 +37,18 @@ def link_times_from_serial(
     """Per-layer transfer time measured on a send of the whole cache after prefill.
 
     Layer l's time is its slot on the link, ``handed_l - max(offered_l, handed_{l-1})``
-    (when the paced link released it to the real medium), plus the medium's delivery
-    latency, ``landed - handed``, taken as the median over the send's layers so that a
-    momentary backlog of the medium on this busy host does not distort every layer.
+    (when the paced link released it to the real medium), plus the medium's own time for
+    one layer, ``landed - handed``, taken as the least over the send's layers: the layer
+    that found nothing queued ahead of it on the medium. (A whole cache handed over at once
+    queues the other layers behind it, the more so the faster the paced link, i.e. the lower
+    the dilation; a stream spaced by prefill's compute does not queue.)
     """
     count = len(landed_s)
     if not count or len(offered_s) != count or len(handed_s) != count:
         raise DemoError("serial send: offered, handed and landed stamps do not match")
     if any(math.isnan(t) for t in landed_s):
         raise DemoError("serial send: a layer has no landing stamp")
-    delivery = quantile(
-        sorted(max(0.0, a - h) for a, h in zip(landed_s, handed_s, strict=True)), 0.5
-    )
+    delivery = min(max(0.0, a - h) for a, h in zip(landed_s, handed_s, strict=True))
     times: list[float] = []
     previous = -math.inf
     for offered, handed in zip(offered_s, handed_s, strict=True):

@@ -10,6 +10,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from topkv.demo.emulation import Dilation
 from topkv.demo.measure import Percentiles, quantile
 from topkv.demo.results import Progress, RequestResult
 from topkv.demo.runner import DemoOptions
@@ -50,13 +51,14 @@ def request_json(result: RequestResult) -> dict[str, Any]:
     return out
 
 
-def options_json(options: DemoOptions) -> dict[str, Any]:
-    """The settings that reproduce the run's requests (top-level ``options`` of --json)."""
+def options_json(options: DemoOptions, dilation: float) -> dict[str, Any]:
+    """The settings that reproduce the run's requests (top-level ``options`` of --json);
+    ``dilation``: the factor the run used (given or derived)."""
     return {
         "requests": options.requests,
         "seed": options.seed,
         "speedup": options.speedup,
-        "dilation": options.dilation,
+        "dilation": dilation,
         "new_tokens": options.new_tokens,
     }
 
@@ -66,7 +68,11 @@ def _pct(values: Sequence[float]) -> dict[str, float]:
 
 
 def summarize(
-    results: Sequence[RequestResult], options: DemoOptions, wall_s: float, model_id: str
+    results: Sequence[RequestResult],
+    options: DemoOptions,
+    wall_s: float,
+    model_id: str,
+    dilation: Dilation,
 ) -> dict[str, Any]:
     ok = [r for r in results if r.error is None]
     identical = sum(r.tokens_identical for r in results)
@@ -95,19 +101,9 @@ def summarize(
         "all_tokens_identical": identical == len(results) and len(results) > 0,
         "failed": [{"id": r.id, "error": r.error} for r in results if r.error is not None],
         "transports": transports,
-        "emulation": {
-            "emulated": True,
-            "dilation": options.dilation,
-            "media": {mode: medium for mode, medium in MEDIUM_FOR_MODE.items()} | {"rdma": "tcp"},
-            "note": (
-                "every link is emulated: bytes really move (shared memory for same-node paths, "
-                "TCP for cross-node ones) and are CRC-verified, paced to the path's modelled "
-                f"bandwidth and per-layer setup latency slowed {options.dilation:g}x, so that "
-                "link time is comparable to CPU prefill; all times are wall-clock ms on this "
-                "host (divide link times by the dilation for the modelled hardware figure)"
-            ),
-        },
+        "emulation": emulation_json(dilation, ok),
         "pipelining": {
+            "pipelined": options.pipelining,
             "exposed_ms": _pct([r.exposed_ms for r in ok]),
             "serial_ms": _pct([r.serial_ms for r in ok]),
             "hidden_fraction": round(1 - exposed_total / serial_total, 4) if serial_total else None,
@@ -154,6 +150,43 @@ def summarize(
     }
 
 
+def emulation_json(dilation: Dilation, ok: Sequence[RequestResult]) -> dict[str, Any]:
+    """``summary.emulation``: what is emulated, the dilation and how it was set."""
+    factor = dilation.factor
+    stand_in = dilation.stand_in
+    prefill_s = sum(r.prefill_ms for r in ok) * 1e-3
+    in_run = sum(r.bytes for r in ok) / prefill_s if prefill_s > 0 else math.nan
+    return {
+        "emulated": True,
+        "dilation": factor,
+        "media": {mode: medium for mode, medium in MEDIUM_FOR_MODE.items()} | {"rdma": "tcp"},
+        "note": (
+            "every link is emulated: bytes really move (shared memory for same-node paths, "
+            "TCP for cross-node ones) and are CRC-verified, paced to the path's modelled "
+            f"bandwidth and per-layer setup latency slowed {factor:g}x, so that link time over "
+            "prefill time is the stand-in deployment's; all times are wall-clock ms on this "
+            "host (divide link times by the dilation for the modelled hardware figure)"
+        ),
+        # issue #19: where the factor comes from
+        "stand_in": stand_in.as_json() if stand_in is not None else None,
+        "demo_kv_bytes_per_prefill_s": round(dilation.demo_kv_bytes_per_prefill_s),
+        "dilation_derived": dilation.derived,
+        "dilation_note": dilation.note(),
+        "derivation": {
+            "formula": (
+                "dilation = (stand-in KV bytes per prefill second / TP / its cross-node "
+                "bandwidth per GPU) / (demo KV bytes per prefill second / demo RDMA bandwidth)"
+            ),
+            "derived_dilation": (
+                _finite(dilation.derived_factor, 4) if dilation.derived_factor else None
+            ),
+            "stand_in_tp": stand_in.tp if stand_in is not None else None,
+            "link_to_compute": dilation.link_to_compute(),
+            "demo_kv_bytes_per_prefill_s_in_run": _finite(in_run, 0),
+        },
+    }
+
+
 def _ms(value: float) -> str:
     return f"{value:,.1f}" if math.isfinite(value) else "-"
 
@@ -197,6 +230,7 @@ def results_table(results: Sequence[RequestResult], dilation: float) -> Table:
 def summary_text(summary: dict[str, Any]) -> Text:
     model = summary["model_check"]
     pipe = summary["pipelining"]
+    emulation = summary["emulation"]
     cmp_ = summary["topology_vs_uniform_rdma"]
     topo, rdma = cmp_["topology_aware"], cmp_["uniform_rdma"]
     transports = ", ".join(f"{k} {v}" for k, v in sorted(summary["transports"].items()))
@@ -205,7 +239,8 @@ def summary_text(summary: dict[str, Any]) -> Text:
         f"model {summary['model']}; {summary['requests']} requests; transports: {transports}",
         f"tokens identical to the single-process run: {summary['tokens_identical']}/"
         f"{summary['requests']}" + ("" if ok else "  <-- MISMATCH OR FAILURE"),
-        f"pipelined exposed p50 {pipe['exposed_ms']['p50']:.1f} ms vs whole cache after "
+        f"{'pipelined' if pipe['pipelined'] else 'not pipelined (--pipelining off):'} "
+        f"exposed p50 {pipe['exposed_ms']['p50']:.1f} ms vs whole cache after "
         f"prefill p50 {pipe['serial_ms']['p50']:.1f} ms; "
         f"hidden {100 * (pipe['hidden_fraction'] or 0):.1f}%",
         f"exposed vs exact pipeline model (median): measured {model['median_exposed_ms']} ms, "
@@ -219,10 +254,34 @@ def summary_text(summary: dict[str, Any]) -> Text:
         f"{rdma['ttft_ms']['p95']:.1f} ms",
         f"relay orchestrator: {summary['relay']['transfers']} transfers routed and verified, "
         f"{summary['relay']['attempts']} attempts",
-        f"emulated links: time dilation {summary['emulation']['dilation']:g}x; wall time "
+        f"emulated links: time dilation {emulation['dilation']:g}x; wall time "
         f"{summary['wall_s']:.1f} s",
+        f"  {emulation['dilation_note']}",
+        *_sim_check_lines(summary.get("sim_check")),
     ]
     return Text("\n".join(lines))
+
+
+def _sim_check_lines(check: dict[str, Any] | None) -> list[str]:
+    """The sim check (added above the demo, by ``topkv demo``), when there is one."""
+    if check is None:
+        return []
+    if "error" in check:
+        return [f"sim check: {check['error']}"]
+    topo, rdma = check["topology_aware"], check["uniform_rdma"]
+    demo_fx, sim_fx = check["demo_effect"], check["sim_effect"]
+
+    def pct(value: float | None) -> str:
+        return "-" if value is None else f"{100 * value:+.1f}%"
+
+    return [
+        f"sim check ({check['cluster']}, stand-in ms): topology-aware vs uniform RDMA exposed "
+        f"p50 {topo['exposed_ms_p50']} vs {rdma['exposed_ms_p50']} ms, TTFT p50 "
+        f"{topo['ttft_ms_p50']} vs {rdma['ttft_ms_p50']} ms",
+        f"  uniform RDMA's cost as a share of TTFT p50, demo vs sim: exposed "
+        f"{pct(demo_fx['exposed'])} vs {pct(sim_fx['exposed'])}, TTFT {pct(demo_fx['ttft'])} "
+        f"vs {pct(sim_fx['ttft'])}: {'AGREE' if check['agree'] else 'DISAGREE'}",
+    ]
 
 
 _STAGE_ORDER = ("waiting", "queued", "prefill", "transfer", "decode", "baselines",

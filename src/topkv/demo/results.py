@@ -96,9 +96,15 @@ ProgressCallback = Callable[[Progress], None]
 
 
 def request_result(
-    state: RequestState, layer_bytes_per_token: int, layers: int, dilation: float
+    state: RequestState,
+    layer_bytes_per_token: int,
+    layers: int,
+    dilation: float,
+    *,
+    pipelined: bool = True,
 ) -> RequestResult:
-    """``state``'s figures; a measurement that cannot be made is the request's error."""
+    """``state``'s figures; a measurement that cannot be made is the request's error.
+    ``pipelined`` false: the relay's send and the RDMA baseline waited for the whole KV."""
     link = state.link
     request = state.request
     nbytes = request.prompt_len * layer_bytes_per_token * layers
@@ -110,7 +116,7 @@ def request_result(
     )  # fmt: skip
     error = state.error
     try:
-        figures.update(_figures(state))
+        figures.update(_figures(state, pipelined))
     except DemoError as exc:
         error = error or str(exc)
     except (KeyError, AssertionError) as exc:
@@ -140,7 +146,7 @@ def request_result(
     )
 
 
-def _figures(state: RequestState) -> dict[str, float]:
+def _figures(state: RequestState, pipelined: bool) -> dict[str, float]:
     prefill, decoded = state.prefill, state.decoded
     stream, serial_send = state.sends[STREAM], state.sends[SERIAL]
     serial_recv = state.received[SERIAL]
@@ -150,13 +156,15 @@ def _figures(state: RequestState) -> dict[str, float]:
     link_s = measure.link_times_from_serial(
         serial_send.offered_s, serial_send.handed_s, serial_recv.arrivals_s
     )
-    modelled = measure.modelled_exposed_s(
-        prefill.forward_start_s, prefill.layer_ready_s, prefill_end, link_s
-    )
+    # without pipelining every layer is offered once the forward pass ended
+    ready = prefill.layer_ready_s if pipelined else (prefill_end,) * len(prefill.layer_ready_s)
+    modelled = measure.modelled_exposed_s(prefill.forward_start_s, ready, prefill_end, link_s)
     ttft = decoded.decode_start_s - state.arrival_s
     if REPLAY in state.received:
         replay_send, replay_recv = state.sends[REPLAY], state.received[REPLAY]
-        replay_end = replay_send.start_s + (prefill_end - prefill.forward_start_s)
+        # the replay starts at its forward start, a serial copy once its KV is whole
+        compute_s = prefill_end - prefill.forward_start_s if pipelined else 0.0
+        replay_end = replay_send.start_s + compute_s
         rdma_exposed = measure.exposed_after(replay_end, replay_recv.arrivals_s)
     else:
         rdma_exposed = exposed

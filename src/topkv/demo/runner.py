@@ -28,12 +28,15 @@ import contextlib
 import itertools
 import math
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from topkv.demo.cluster import DemoWorkers
+from topkv.demo.emulation import Dilation, StandIn, resolve_dilation
 from topkv.demo.errors import DemoError
+from topkv.demo.executor import DemoExecutor
 from topkv.demo.records import Decoded, PrefillDone, Received, ReferenceDone, SendDone
 from topkv.demo.results import (
     REPLAY,
@@ -49,33 +52,31 @@ from topkv.demo.topology import (
     DEFAULT_FIXTURE,
     DEFAULT_PLACEMENTS,
     LinkChoice,
+    demo_links,
     find_fixture,
     pair_view,
     two_node_cluster,
 )
+from topkv.demo.warmup import WarmUp, measure_kv_rate
 from topkv.demo.workload import find_trace, load_requests
 from topkv.engine.spec import DemoModelConfig
 from topkv.errors import TopKVError
 from topkv.policy import PairView, TransferRequest, UniformPolicy
 from topkv.relay.completions import Completion
-from topkv.relay.executor import AttemptPlan, Delivery
+from topkv.relay.executor import AttemptPlan
 from topkv.relay.orchestrator import Orchestrator
 from topkv.relay.orchestrator_config import OrchestratorConfig
 from topkv.relay.transfers import Outcome, TransferState
 from topkv.relay.workers import WorkerInfo
 from topkv.service.engines import EngineSpec
 from topkv.service.messages import GenerateRequest, PacedLink, PrefillRequest
-from topkv.service.remote_executor import RemoteExecutor
 from topkv.transport.base import KVLayout
-from topkv.transport.media import DEFAULT_MEDIA, real_medium
 
 now = time.perf_counter
+Schedule = Literal["stream", "serial", "replay"]
 
 #: Transfer ids of the baseline copies start here, far above any request id of a run.
 _COPY_IDS_FROM = 1 << 40
-#: Who keeps a prefill worker's KV alive: the relay (until it released the source after a
-#: verified delivery) and the demo's baselines (serial and replay copies).
-HOLDERS = ("relay", "baselines")
 #: KV caches a prefill worker may hold at once (its requests await their baselines).
 PREFILL_CAPACITY = 64
 
@@ -86,7 +87,8 @@ class DemoOptions:
     seed: int = 0
     model_path: str | None = None
     new_tokens: int = 8
-    dilation: float = 3000.0
+    #: None: derived from the stand-in deployment (topkv.demo.emulation)
+    dilation: float | None = None
     speedup: float = 1.5
     min_tokens: int = 128
     max_tokens: int = 1024
@@ -95,46 +97,16 @@ class DemoOptions:
     decode_capacity: int = 2
     request_timeout_s: float = 90.0
     model: DemoModelConfig = field(default_factory=DemoModelConfig)
+    #: False: the relay's sends wait for the whole KV (no layer-by-layer streaming)
+    pipelining: bool = True
 
     def __post_init__(self) -> None:
         if self.new_tokens < 1:
             raise DemoError(f"--new-tokens must be >= 1, got {self.new_tokens}")
-        if not (math.isfinite(self.dilation) and self.dilation >= 1):
+        if self.dilation is not None and not (math.isfinite(self.dilation) and self.dilation >= 1):
             raise DemoError(f"--dilation must be >= 1, got {self.dilation}")
         if self.decode_capacity < 1:
             raise DemoError(f"decode capacity must be >= 1, got {self.decode_capacity}")
-
-
-class _DemoExecutor(RemoteExecutor):
-    """The one executor, holding each prefill KV until the relay *and* the baselines are
-    done with it (the relay releases its source after a verified delivery; the baselines
-    send the same KV again afterwards), and counting attempts."""
-
-    def __init__(self, pacing: _Pacing, timeout_s: float, token: str | None) -> None:
-        media = {path: real_medium(path) for path in DEFAULT_MEDIA}  # paced per send instead
-        super().__init__(media, call_timeout_s=timeout_s, pacing=pacing, token=token)
-        self.attempts = 0
-        self._holders: dict[int, set[str]] = {}
-
-    def hold(self, request_id: int) -> None:
-        self._holders[request_id] = set(HOLDERS)
-
-    async def transfer(self, plan: AttemptPlan) -> Delivery:
-        self.attempts += 1
-        return await super().transfer(plan)
-
-    async def release_source(self, source: WorkerInfo, request_id: int) -> None:
-        await self.release(source, request_id, "relay")
-
-    async def release(self, source: WorkerInfo, request_id: int, holder: str) -> None:
-        """``holder`` is done with ``request_id``'s KV; the worker frees it once all are."""
-        holders = self._holders.get(request_id)
-        if holders is None:
-            return
-        holders.discard(holder)
-        if not holders:
-            del self._holders[request_id]
-            await super().release_source(source, request_id)
 
 
 class _Pacing:
@@ -155,8 +127,18 @@ class _Pacing:
         return self.run.paced(link)
 
 
+#: The stand-in deployment over the run's prompt lengths (supplied above the demo, which
+#: does not know the simulator's models: topkv.harness.stand_in).
+StandInFactory = Callable[[Sequence[int]], StandIn]
+
+
 class DemoRun:
-    def __init__(self, options: DemoOptions, on_progress: ProgressCallback | None = None) -> None:
+    def __init__(
+        self,
+        options: DemoOptions,
+        on_progress: ProgressCallback | None = None,
+        stand_in: StandInFactory | None = None,
+    ) -> None:
         self.options = options
         self.on_progress = on_progress
         self.requests = load_requests(
@@ -172,6 +154,12 @@ class DemoRun:
         self.topology = two_node_cluster(find_fixture(options.fixture))
         self.placements = list(DEFAULT_PLACEMENTS)
         self._placement = {p.worker_id: p for p in self.placements}
+        self.stand_in = stand_in([r.prompt_len for r in self.requests]) if stand_in else None
+        if self.stand_in is None and options.dilation is None:
+            raise DemoError("give --dilation or a stand-in deployment to derive it from")
+        #: Set by the warm-up, before the timed phase.
+        self.dilation: Dilation | None = None
+        self.warmup: WarmUp | None = None
         self.states = {r.rid: RequestState(r) for r in self.requests}
         self.phase = "starting workers"
         self.started_s = now()
@@ -219,8 +207,13 @@ class DemoRun:
             mode=mode,  # type: ignore[arg-type]
             bandwidth_gbps=link.bandwidth_gbps,
             setup_s=link.setup_s,
-            dilation=self.options.dilation,
+            dilation=self._dilation_factor(),
         )
+
+    def _dilation_factor(self) -> float:
+        if self.dilation is None:
+            raise DemoError("internal: a link paced before the warm-up set the dilation")
+        return self.dilation.factor
 
     def _relay_pair_view(self, source: WorkerInfo, destination: WorkerInfo) -> PairView:
         return pair_view(
@@ -255,12 +248,16 @@ class DemoRun:
             decode_capacity=opts.decode_capacity,
             prefill_capacity=PREFILL_CAPACITY,
         )
-        self.executor = _DemoExecutor(
-            _Pacing(self), opts.request_timeout_s, self.workers.cluster.admin_token()
+        self.executor = DemoExecutor(
+            _Pacing(self),
+            opts.request_timeout_s,
+            self.workers.cluster.admin_token(),
+            opts.pipelining,
         )
         try:
             self.infos = await self.workers.start()
             self._learn_model(self.workers.ready[self.placements[0].worker_id])
+            await self._warm_up()
             await self._timed_phase()
             await self._reference_phase()
         finally:
@@ -282,6 +279,26 @@ class DemoRun:
         self.wire_dtype = str(engine["dtype"])
         itemsize = self._layout(1).itemsize
         self.layer_bytes_per_token = 2 * self.kv_heads * self.head_dim * itemsize
+
+    async def _warm_up(self) -> None:
+        """Measure this host's KV production rate, then set the dilation from it."""
+        self.phase = "warm-up (KV production rate)"
+        self._report(force=True)
+        lengths = sorted(r.prompt_len for r in self.requests)
+        prefill = [self.infos[p.worker_id] for p in self.placements if p.role == "prefill"]
+        self.warmup = await measure_kv_rate(
+            self.executor,
+            prefill,
+            model_id=self.model_id,
+            prompt_len=lengths[len(lengths) // 2],
+            seed=self.options.seed,
+        )
+        self.dilation = resolve_dilation(
+            self.options.dilation,
+            self.stand_in,
+            self.warmup.kv_bytes_per_prefill_s,
+            demo_links(self.placements, self.link_for, self.layer_bytes_per_token, self.layers),
+        )
 
     def _spawn(self, coro: Coroutine[object, object, None]) -> None:
         task = asyncio.ensure_future(coro)
@@ -468,9 +485,11 @@ class DemoRun:
         """The serial copy over the same path, then (unless it was RDMA) the replayed copy
         over emulated RDMA; each drained by the decode worker."""
         assert state.link is not None and state.rdma_link is not None
-        copies = [(SERIAL, state.link, "serial")]
+        copies: list[tuple[str, LinkChoice, Schedule]] = [(SERIAL, state.link, "serial")]
         if state.link.mode != "rdma":
-            copies.append((REPLAY, state.rdma_link, "replay"))
+            # without pipelining, uniform RDMA too sends the whole KV after prefill
+            replay: Schedule = "replay" if self.options.pipelining else "serial"
+            copies.append((REPLAY, state.rdma_link, replay))
         source, destination = self.infos[state.prefill_worker], self.infos[state.decode_worker]
         try:
             for tag, link, schedule in copies:
@@ -486,7 +505,7 @@ class DemoRun:
                     medium=link.medium,
                     timeout_s=self.options.request_timeout_s,
                     link=self.paced(link),
-                    schedule="serial" if schedule == "serial" else "replay",
+                    schedule=schedule,
                 )
                 state.sends[tag] = SendDone.of(tag, report.sent)
                 state.received[tag] = Received.of(tag, report.held)
@@ -603,4 +622,10 @@ class DemoRun:
         )
 
     def _result(self, state: RequestState) -> RequestResult:
-        return request_result(state, self.layer_bytes_per_token, self.layers, self.options.dilation)
+        return request_result(
+            state,
+            self.layer_bytes_per_token,
+            self.layers,
+            self.dilation.factor if self.dilation is not None else math.nan,
+            pipelined=self.options.pipelining,
+        )

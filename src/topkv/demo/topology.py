@@ -11,9 +11,11 @@ time-dilated (see :mod:`topkv.transport.emulated`).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from topkv.demo.emulation import DemoLinks
 from topkv.demo.errors import DemoError
 from topkv.packaged import packaged_file
 from topkv.policy import Endpoint, PairView, Selection
@@ -123,3 +125,21 @@ class LinkChoice:
 
 def pair_view(cluster: Cluster, src: Endpoint, dst: Endpoint) -> PairView:
     return pair_view_from_cluster(cluster, src, dst)
+
+
+#: ``link_for(source, destination, transport, nbytes, chunks)``: a transport's path.
+LinkFor = Callable[[str, str, str, int, int], LinkChoice]
+
+
+def demo_links(
+    placements: Sequence[Placement], link_for: LinkFor, bytes_per_token: int, layers: int
+) -> DemoLinks:
+    """The same-node (NVLink) and cross-node (RDMA) paths of the first prefill worker."""
+    source = next(p for p in placements if p.role == "prefill")
+    decode = [p for p in placements if p.role == "decode"]
+    near = next(p for p in decode if p.node == source.node)
+    far = next(p for p in decode if p.node != source.node)
+    nbytes = bytes_per_token * layers
+    same = link_for(source.worker_id, near.worker_id, "nvlink", nbytes, layers)
+    cross = link_for(source.worker_id, far.worker_id, "rdma", nbytes, layers)
+    return DemoLinks(same.mode, same.bandwidth_gbps * 1e9, cross.mode, cross.bandwidth_gbps * 1e9)
