@@ -201,6 +201,12 @@ class DecodeResult(BaseModel):
     seconds: float
     started_s: Stamp = 0.0
     ended_s: Stamp = 0.0
+    #: KV tiers (a worker with --device-kv-capacity): the tiers this KV visited in order,
+    #: the time its promotions took and the part of it decode waited for.
+    tiers: list[str] | None = None
+    promotion_ms: float | None = None
+    exposed_promotion_ms: float | None = None
+    tier_failures: list[str] | None = None
 
 
 class GenerateRequest(BaseModel):

@@ -95,6 +95,7 @@ from topkv.service.worker_media import (
 )
 from topkv.service.worker_role import RoleSwitch
 from topkv.service.worker_send import SendStamps, paced, send_scheduled, wait_ended
+from topkv.service.worker_tiers import WorkerTiers
 from topkv.transport import catalog as transports
 from topkv.transport.base import (
     OutgoingTransfer,
@@ -140,6 +141,7 @@ class WorkerService:
         self.worker_id = config.resolved_worker_id()
         self.offer: MediaOffer = resolve_media(config.media, shm=config.capabilities.shm)
         self.store = KVStore(config.capacity)
+        self.tiers = WorkerTiers(config.tiers)  # --device-kv-capacity: KV memory tiers
         self.fence = EpochFence()  # refuses a deposed leader's calls (service.fencing)
         self.engine: WorkerEngine | None = None
         self._compute: ThreadPoolExecutor | None = None
@@ -253,6 +255,7 @@ class WorkerService:
         for source in sources:
             source.close()
         self.store.clear()  # fails running prefills: their next layer stops them
+        self.tiers.close()
         if self._prefills:
             await asyncio.wait(set(self._prefills), timeout=30.0)
         if self._compute is not None:
@@ -319,6 +322,7 @@ class WorkerService:
         admin = Access.ADMIN  # the orchestrator's executor (an admin token) drives workers
         routes = [
             Route("GET", "/healthz", self._healthz, Access.PUBLIC),
+            Route("GET", "/metrics", self.tiers.metrics, Access.METRICS),
             Route("GET", "/v1/info", self._info, admin),
             Route("GET", "/v1/kv", self._list_kv, admin),
             Route("GET", "/v1/kv/{request_id}", self._get_kv, admin),
@@ -347,6 +351,7 @@ class WorkerService:
             "receiving": len(self._inbox),
             "sending": len(self._outgoing),
             "counters": dict(self.counters),
+            "kv_tiers": self.tiers.describe(),
             "sinks": {kind: sink.address for kind, sink in self._sinks.items()},
             "media": list(self.offer.media),
             "media_unavailable": dict(self.offer.unavailable),
@@ -426,25 +431,34 @@ class WorkerService:
                 "did not run the prefill"
             )
         stamps: list[float] = []
+        ticket = self.tiers.begin_decode(kv, body.max_new_tokens)
 
         def run() -> list[int]:
+            if ticket is not None:
+                ticket.wait()  # its KV back on the device: the exposed promotion
             stamps.append(time.perf_counter())
             try:
                 return engine.decode(kv, first_token, body.max_new_tokens)
             finally:
                 stamps.append(time.perf_counter())
 
-        tokens = await self._run_engine(run)
+        try:
+            tokens = await self._run_engine(run)
+        finally:
+            self.tiers.end_decode(ticket, stamps, body.max_new_tokens)
         self.counters["decoded"] += 1
         return model_response(
-            DecodeResult(
-                request_id=request_id,
-                model_id=kv.model_id,
-                prompt_len=kv.layout.seq_len,
-                tokens=tokens,
-                seconds=stamps[1] - stamps[0],
-                started_s=stamps[0],
-                ended_s=stamps[1],
+            self.tiers.annotate(
+                DecodeResult(
+                    request_id=request_id,
+                    model_id=kv.model_id,
+                    prompt_len=kv.layout.seq_len,
+                    tokens=tokens,
+                    seconds=stamps[1] - stamps[0],
+                    started_s=stamps[0],
+                    ended_s=stamps[1],
+                ),
+                ticket,
             )
         )
 
@@ -477,6 +491,7 @@ class WorkerService:
         if held is not None:
             await asyncio.to_thread(held.free)
             released = True
+        await self.tiers.released(request_id)
         return model_response(Released(request_id=request_id, released=released))
 
     async def _sink(self, kind: str) -> TransferSink | None:
@@ -563,6 +578,7 @@ class WorkerService:
         except CapacityExceeded:
             kv.free()
             raise
+        await self.tiers.admitted(kv, self.store)  # beyond K on the device: demote one
         self.counters["received"] += 1
         return model_response(summarize(kv))
 

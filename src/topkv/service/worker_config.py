@@ -11,6 +11,7 @@ from topkv.errors import ConfigError
 from topkv.relay.workers import Role, WorkerCapabilities
 from topkv.service.auth import REQUIRED, Required, ServerAuth
 from topkv.service.engines import EngineSpec
+from topkv.service.tier_config import TierConfig
 from topkv.service.tls import TLSConfig
 
 SECRET_ENV = "TOPKV_SECRET"
@@ -105,6 +106,9 @@ class WorkerConfig:
     #: HTTPS for its control API (``--tls-cert``/``--tls-key``) and the CA it verifies the
     #: orchestrator with (``--tls-ca``); None: plain HTTP, the system's trust store.
     tls: TLSConfig | None = None
+    #: KV memory tiers (``--device-kv-capacity K``): at most K caches on the device, the
+    #: rest demoted to host / CXL / disk and prefetched back; None: no tiers.
+    tiers: TierConfig | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.auth, Required):
