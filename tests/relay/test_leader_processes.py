@@ -272,11 +272,11 @@ def test_twenty_kill_restart_rounds_never_two_leaders_and_no_transfer_lost(
                         assert await _delivered(http, url, rid, 20), rid
                         delivered.add(rid)
                     # The new leader has driven both workers: the old epoch is fenced there.
-                    for worker in cluster.workers.values():
+                    for worker_id, worker in cluster.workers.items():
                         assert worker.fence.highest == epoch
                         if epochs[:-1]:
                             async with http.get(
-                                f"{worker.info.control_url}/v1/kv",
+                                f"{cluster.info(worker_id).control_url}/v1/kv",
                                 headers={EPOCH_HEADER: str(epochs[-2])},
                             ) as stale:
                                 assert stale.status == 409
