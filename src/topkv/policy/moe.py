@@ -82,6 +82,8 @@ class MoERequest:
     activations_per_token: int = 1
     dispatch_bytes: int = 0
     shares: Mapping[ExpertKey, float] | None = None
+    #: Names ``shares`` for the snapshot's cache (equal ids: equal shares); None: no cache.
+    shares_id: int | str | None = None
 
     def __post_init__(self) -> None:
         if self.decode_tokens < 0 or self.activations_per_token < 0 or self.dispatch_bytes < 0:
@@ -166,7 +168,7 @@ class MoERouter:
                 kv_s = cost_of(pair_view(source, t.endpoint), request.kv, load)
             except NoPathError:
                 continue
-            table = snapshot.table(t.domain, request.shares)
+            table = snapshot.table(t.domain, request.shares, request.shares_id)
             dispatch = self._dispatch_s(t, table, request, pair_view, cost_of, load)
             scored.append(_Scored(t, kv_s, table, dispatch))
         if not scored:

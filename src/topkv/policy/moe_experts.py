@@ -145,7 +145,7 @@ class ExpertSnapshot:
     mean_rate: float
     dropped_stale: int
     _by_key: dict[ExpertKey, list[ExpertReplica]] = field(default_factory=dict)
-    _tables: dict[str | None, DomainTable] = field(default_factory=dict)
+    _tables: dict[tuple[str | None, int | str | None], DomainTable] = field(default_factory=dict)
 
     @classmethod
     def build(
@@ -228,13 +228,18 @@ class ExpertSnapshot:
         )
 
     def table(
-        self, domain: str | None, shares: Mapping[ExpertKey, float] | None = None
+        self,
+        domain: str | None,
+        shares: Mapping[ExpertKey, float] | None = None,
+        shares_id: int | str | None = None,
     ) -> DomainTable:
-        """Where a target in ``domain`` sends its activations (cached for the rate-derived
-        shares; ``shares`` from a prompt's known routing is computed afresh)."""
-        cacheable = shares is None
-        if cacheable and domain in self._tables:
-            return self._tables[domain]
+        """Where a target in ``domain`` sends its activations: for the rate-derived shares
+        (``shares`` None) or a prompt's known routing; cached per domain and ``shares_id``
+        (known shares without an id are computed afresh)."""
+        cacheable = shares is None or shares_id is not None
+        cache_key = (domain, shares_id)
+        if cacheable and cache_key in self._tables:
+            return self._tables[cache_key]
         if shares is None:
             shares = self.expected_shares()
         hosts: dict[str, dict[str, float]] = {}
@@ -275,7 +280,7 @@ class ExpertSnapshot:
             ),
         )
         if cacheable:
-            self._tables[domain] = table
+            self._tables[cache_key] = table
         return table
 
 

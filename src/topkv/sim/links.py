@@ -288,11 +288,24 @@ class LinkNetwork:
             left = other.remaining - other.rate * (now - other.last_t)
             if other is flow or left <= max(_DONE_BYTES, other.nbytes * _REL_EPS):
                 finished.append(other)
-        survivors: set[Flow] = set()
+        self._detach(finished, now)
         for done in finished:
+            done.on_done()
+
+    def stop_flows(self, flows: Iterable[Flow]) -> None:
+        """End still-running flows now without calling their ``on_done`` (a long-lived
+        flow whose traffic stopped); the rest of their component is recomputed."""
+        live = [f for f in flows if f.remaining > 0]
+        if live:
+            self._detach(live, self.loop.now())
+
+    def _detach(self, flows: list[Flow], now: float) -> None:
+        """Take ``flows`` off their links at ``now`` and recompute what shared them."""
+        survivors: set[Flow] = set()
+        for done in flows:
             for link in done.links:
                 self._account(link, now)
-        for done in finished:
+        for done in flows:
             done.remaining = 0.0
             done.version += 1
             for link in done.links:
@@ -300,11 +313,10 @@ class LinkNetwork:
                 link.allocated -= done.rate
                 survivors.update(link.flows)
             done.rate = 0.0
-        self.active_flows -= len(finished)
+        self.active_flows -= len(flows)
+        survivors.difference_update(flows)
         if survivors:
             self._recompute(survivors)
-        for done in finished:
-            done.on_done()
 
     def utilization(self, horizon_s: float) -> list[UtilizationSeries]:
         """Utilization per bin up to ``horizon_s`` of every link that carried bytes.
