@@ -307,6 +307,8 @@ class LiveAdaptivePool:
     def _on_event(self, event: RegistryEvent) -> None:
         waiting = self._waiters.get(event.worker_id)
         if waiting is None:
+            if event.kind == "leave" and self.stage.pop(event.worker_id, None) is not None:
+                self.orchestrator.fence(event.worker_id, False)  # gone: forget its fence
             return
         role, future = waiting
         if future.done():
