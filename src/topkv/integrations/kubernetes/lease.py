@@ -30,6 +30,7 @@ from typing import TypeVar
 
 import httpx2
 from lightkube import ApiError, Client, KubeConfig
+from lightkube.config.models import Cluster, User
 from lightkube.models.coordination_v1 import LeaseSpec
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.coordination_v1 import Lease
@@ -84,10 +85,18 @@ class KubernetesLeaseBackend:
 
     @classmethod
     def for_server(
-        cls, url: str, namespace: str, timing: ElectionTiming, *, name: str = DEFAULT_LEASE_NAME
+        cls,
+        url: str,
+        namespace: str,
+        timing: ElectionTiming,
+        *,
+        name: str = DEFAULT_LEASE_NAME,
+        token: str | None = None,
     ) -> KubernetesLeaseBackend:
-        """Against the API server at ``url`` without credentials (tests' stand-in)."""
-        client = Client(KubeConfig.from_server(url), namespace=namespace, timeout=_timeout(timing))
+        """Against the API server at ``url`` with ``token`` (None: no credentials, as the
+        tests' stand-in takes)."""
+        config = KubeConfig.from_one(cluster=Cluster(server=url), user=User(token=token))
+        client = Client(config, namespace=namespace, timeout=_timeout(timing))
         return cls(client, namespace, timing, name=name)
 
     def describe(self) -> str:
