@@ -19,6 +19,8 @@ from topkv.packaged import SAMPLE_TRACE
 from topkv.policy.adp import DEFAULT_ADP
 from topkv.sim.cluster import SimCluster, load_cluster_spec
 from topkv.sim.errors import ClusterSpecError, SimError
+from topkv.sim.moe import MoESimOptions, moe_config, run_moe_policy
+from topkv.sim.moe_report import moe_documents, moe_router_names, moe_table
 from topkv.sim.report import SimReport, sweep_entry
 from topkv.sim.runner import POLICIES, SimConfig, run_policy
 from topkv.traces import ServeGenOptions, head, load_trace, scale_rate
@@ -103,6 +105,15 @@ def sim_command(
     servegen_duration_s: float = typer.Option(
         600.0, "--servegen-duration-s", help="ServeGen: seconds of the rate files to replay."
     ),
+    moe_router: str | None = typer.Option(
+        None,
+        "--moe-router",
+        help="MoE model with expert parallelism: cache-affinity, expert-locality, "
+        "load-balance, cost or all (JSON: moe_routers, and moe_baseline: least-loaded).",
+    ),
+    stragglers: int = typer.Option(
+        0, "--stragglers", help="With --moe-router: straggling expert hosts (5x slower)."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
     report: Path | None = typer.Option(None, "--report", help="Write PNG plots and HTML."),
 ) -> None:
@@ -138,6 +149,10 @@ def sim_command(
         slo_ttft_s=slo_ttft_ms / 1e3,
         slo_tpot_s=slo_tpot_ms / 1e3,
     )
+    routers = moe_router_names(moe_router, stragglers)
+    moe = MoESimOptions(stragglers=stragglers, seed=seed) if routers else None
+    if moe is not None:
+        base = moe_config(base)[0]
     instances = _check_runnable(base, cluster)
     splits = [_reduced(p, instances - p) for p in range(1, instances)] if sweep else []
     sweep_policy = policy if policy != "all" else SWEEP_POLICY
@@ -170,12 +185,27 @@ def sim_command(
                             "adp": DEFAULT_ADP if with_adp else None,
                         }
                     )
-                    results.append(run_policy(cfg, workload, name, advance_on(task)))
+                    if moe is not None:
+                        results.append(run_moe_policy(cfg, workload, name, moe, advance_on(task)))
+                    else:
+                        results.append(run_policy(cfg, workload, name, advance_on(task)))
         for split in splits:
             task = bar.add_task(f"{sweep_policy} static {split[0]}:{split[1]}", total=len(workload))
             cfg = SimConfig(**{**base.__dict__, "pd_ratio": split})
             result = run_policy(cfg, workload, sweep_policy, advance_on(task))
             sweep_entries.append(sweep_entry(split, result))
+        moe_docs = (
+            moe_documents(
+                base,
+                workload,
+                policy,
+                routers,
+                moe,
+                lambda name: advance_on(bar.add_task(f"MoE {name}", total=len(workload))),
+            )
+            if moe is not None
+            else {}
+        )
     wall = time.perf_counter() - started
     sim_report = SimReport(
         trace=str(trace),
@@ -190,12 +220,14 @@ def sim_command(
         for path in sim_report.write(report):
             err.print(f"wrote {path}")
     if as_json:
-        typer.echo(dumps(sim_report.to_json()))
+        typer.echo(dumps({**sim_report.to_json(), **moe_docs}))
         return
     stdout_console().print(sim_report.table())
     typer.echo(sim_report.footer())
     if sweep:
         typer.echo(sim_report.sweep_text())
+    if moe_docs:
+        stdout_console().print(moe_table(moe_docs))
 
 
 def register(app: typer.Typer) -> None:

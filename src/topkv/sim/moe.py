@@ -28,6 +28,7 @@ prefill instances) first, the host inside a group drawn by the seed.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -50,6 +51,7 @@ from topkv.sim.moe_setup import (
     min_group_size,
     place,
 )
+from topkv.sim.result import PolicyResult
 from topkv.sim.runner import SimConfig, Simulation
 from topkv.sim.state import DecodeState, ReqState
 from topkv.traces import Workload
@@ -430,3 +432,40 @@ def _pick_stragglers(groups: list[EPGroup], count: int, rng: np.random.Generator
             if names and len(picked) < count:
                 picked.append(names.pop(int(rng.integers(0, len(names)))))
     return frozenset(picked)
+
+
+def run_moe_policy(
+    config: SimConfig,
+    workload: Workload,
+    policy: str,
+    options: MoESimOptions,
+    progress: Callable[[int], None] | None = None,
+) -> PolicyResult:
+    """Simulate ``workload`` with expert parallelism under one transport policy and one
+    MoE router (:func:`moe_config` applied to ``config``)."""
+    return _simulation(config, workload, policy, options).run(progress)
+
+
+def run_moe_routers(
+    config: SimConfig,
+    workload: Workload,
+    policy: str,
+    routers: Sequence[str],
+    options: MoESimOptions,
+    progress: Callable[[str], Callable[[int], None] | None] = lambda _name: None,
+) -> dict[str, dict[str, object]]:
+    """Each router's :meth:`MoESimulation.moe_summary`, by name (``progress(name)`` gives
+    the progress callback of that router's run)."""
+    out: dict[str, dict[str, object]] = {}
+    for name in routers:
+        sim = _simulation(config, workload, policy, replace(options, router=name))
+        sim.run(progress(name))
+        out[name] = sim.moe_summary()
+    return out
+
+
+def _simulation(
+    config: SimConfig, workload: Workload, policy: str, options: MoESimOptions
+) -> MoESimulation:
+    ep_config, size = moe_config(config)
+    return MoESimulation(ep_config, workload, policy, options, size)
