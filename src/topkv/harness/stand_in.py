@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from topkv.demo.emulation import StandIn
 from topkv.errors import ConfigError, TopKVError
-from topkv.kv import get_model
+from topkv.kv import UnknownModelError, catalog, get_model
 from topkv.kv.spec import ModelSpec
 from topkv.sim.cluster import ClusterSpec, SimCluster, load_cluster_spec
 from topkv.sim.compute import ComputeModel
@@ -61,6 +61,12 @@ class Deployment:
                                f"{DEFAULT_STAND_IN}")  # fmt: skip
         try:
             model = get_model(name)
+        except UnknownModelError:
+            known = ", ".join(spec.name for spec in catalog())
+            raise StandInError(
+                f"--stand-in {text!r}: unknown model {name!r}; known models: {known}"
+            ) from None
+        try:
             cluster = load_cluster_spec(cluster_name or DEFAULT_CLUSTER)
             if len(cluster.node_groups) != 1:
                 raise StandInError(f"{cluster.name}: a stand-in cluster has one node group")
