@@ -70,25 +70,30 @@ class TierTrail:
 class _Entry:
     kv: HeldKV
     tier: str = DEVICE
-    pinned: bool = False
+    pinned: bool = False  # the engine is decoding it
     moving: bool = False  # chosen as a victim, its demotion under way
+    done: bool = False  # decoded, about to be released: holds no device slot
+    incoming: bool = False  # a promotion is scheduled: it holds its device slot already
+    lost: str | None = None  # why its lower-tier copy cannot be read back
     last_use_s: float = 0.0
     busy: Future[None] | None = None
 
 
 @dataclass
 class DecodeTicket:
-    """A decode's claim on its KV; :meth:`wait` returns the seconds it waited for it."""
+    """A decode's claim on its KV; :meth:`wait` (on the engine's thread, once the engine
+    takes the decode) returns the seconds it then waited for the KV to be on the device."""
 
     request_id: int
     trail: TierTrail
-    ready: Future[None] | None
+    claim: Callable[[], Future[None] | None] | None = None
 
     def wait(self) -> float:
-        if self.ready is None:
+        ready = self.claim() if self.claim is not None else None
+        if ready is None:
             return 0.0
         started = time.perf_counter()
-        self.ready.result()  # raises TierKVLost: the request must be recomputed
+        ready.result()  # raises TierKVLost: the request must be recomputed
         exposed = time.perf_counter() - started
         self.trail.exposed_promotion_s += exposed
         return exposed
@@ -116,7 +121,8 @@ class TieredKV:
         self.bytes_moved: dict[tuple[str, str], int] = {}
         self.failures: dict[tuple[str, str], int] = {}
         self._entries: dict[int, _Entry] = {}
-        self._queue: list[int] = []  # arrived, not decoded yet, in arrival order
+        self._queue: list[int] = []  # arrived, no decode asked yet, in arrival order
+        self._requested: list[int] = []  # decode asked, engine not there yet, in order
         self._running: dict[int, int] = {}  # request -> tokens it decodes
         self._step_s = 0.01
         self._tokens = 16
@@ -127,9 +133,16 @@ class TieredKV:
 
     def _needed_in(self) -> dict[int, float]:
         running = [Running(r, n) for r, n in self._running.items()]
+        waiting = self._requested + self._queue
         return next_use_s(
-            running, self._queue, slots=1, step_s=self._step_s, tokens_per_request=self._tokens
+            running, waiting, slots=1, step_s=self._step_s, tokens_per_request=self._tokens
         )
+
+    def _device_ids(self) -> list[int]:
+        """Requests holding a device slot (a decoded one about to be released holds none)."""
+        return [
+            r for r, e in self._entries.items() if (e.tier == DEVICE and not e.done) or e.incoming
+        ]
 
     def _resident(self, rid: int, e: _Entry) -> Resident:
         moving = e.moving or (e.busy is not None and not e.busy.done())
@@ -137,7 +150,7 @@ class TieredKV:
 
     def on_device(self) -> list[int]:
         with self._lock:
-            return [r for r, e in self._entries.items() if e.tier == DEVICE]
+            return self._device_ids()
 
     def tier_of(self, request_id: int) -> str | None:
         with self._lock:
@@ -206,9 +219,18 @@ class TieredKV:
             return True
 
     def _promote(self, rid: int, e: _Entry, *, prefetch: bool) -> None:
-        if e.tier == DEVICE:
-            return
-        if not self._evict_until_fits(extra=1):
+        try:
+            if e.lost is not None:  # an earlier read found the copy gone: say so again
+                raise TierKVLost(e.lost)
+            if e.tier != DEVICE:
+                self._promote_held(rid, e, prefetch=prefetch)
+        finally:
+            with self._lock:
+                e.incoming = False
+
+    def _promote_held(self, rid: int, e: _Entry, *, prefetch: bool) -> None:
+        """Promote ``e`` (its device slot is already counted: ``incoming``)."""
+        if not self._evict_until_fits(extra=0):
             with self._lock:
                 self.counters["over_capacity"] += 1
         tier = e.tier
@@ -219,6 +241,7 @@ class TieredKV:
             layers = store.read(rid, kv.layout, kv.crcs)
         except TierKVLost as exc:
             with self._lock:
+                e.lost = str(exc)
                 self.counters["lost"] += 1
                 self.failures[(tier, "lost")] = self.failures.get((tier, "lost"), 0) + 1
             self.trails[rid].failures.append(str(exc))
@@ -244,7 +267,7 @@ class TieredKV:
         no lower tier takes it)."""
         while True:
             with self._lock:
-                device = [r for r, e in self._entries.items() if e.tier == DEVICE]
+                device = self._device_ids()
                 if len(device) + extra <= self.capacity:
                     return True
                 ones = [
@@ -289,26 +312,45 @@ class TieredKV:
         )
 
     def begin_decode(self, kv: HeldKV, tokens: int) -> DecodeTicket:
+        """A decode of ``kv`` was asked for: it is needed next after the decodes asked before
+        it; a prefetch may bring it back before the engine takes it."""
         rid = kv.request_id
         with self._lock:
             e = self._entries.get(rid)
             if e is None:  # not admitted through the tiers (e.g. the worker's own prefill)
-                return DecodeTicket(rid, TierTrail(), None)
-            e.pinned = True
+                return DecodeTicket(rid, TierTrail())
             if rid in self._queue:
                 self._queue.remove(rid)
+                self._requested.append(rid)
+        self.prefetch()
+        return DecodeTicket(rid, self.trails[rid], functools.partial(self._claim, rid, tokens))
+
+    def _claim(self, rid: int, tokens: int) -> Future[None] | None:
+        """The engine takes the decode: pin the KV; promote it now if it is not back yet."""
+        with self._lock:
+            e = self._entries.get(rid)
+            if e is None:
+                raise TierKVLost(f"request {rid}: its KV was released before its decode")
+            if e.lost is not None:
+                raise TierKVLost(e.lost)
+            e.pinned = True
+            if rid in self._requested:
+                self._requested.remove(rid)
             self._running[rid] = tokens
-            ready = None
-            if e.tier != DEVICE or (e.busy is not None and not e.busy.done()):
-                ready = self._chain(e, lambda: self._promote(rid, e, prefetch=False))
-            return DecodeTicket(rid, self.trails[rid], ready)
+            if e.tier == DEVICE and (e.busy is None or e.busy.done()):
+                return None
+            e.incoming = e.tier != DEVICE or e.incoming
+            return self._chain(e, functools.partial(self._promote, rid, e, prefetch=False))
 
     def end_decode(self, ticket: DecodeTicket, seconds: float, tokens: int) -> None:
         with self._lock:
             e = self._entries.get(ticket.request_id)
             self._running.pop(ticket.request_id, None)
+            if ticket.request_id in self._requested:
+                self._requested.remove(ticket.request_id)
             if e is not None:
                 e.pinned = False
+                e.done = e.tier == DEVICE  # released next; its slot goes to a prefetch
                 e.last_use_s = time.monotonic()
             if tokens > 0 and seconds > 0:
                 self._step_s = 0.7 * self._step_s + 0.3 * seconds / tokens
@@ -316,21 +358,37 @@ class TieredKV:
         self.prefetch()
 
     def prefetch(self) -> None:
-        """Promote the demoted caches needed soonest into the device's free slots."""
+        """Promote the demoted caches needed soonest: into free device slots, or in place of
+        a device resident needed later (which the promotion demotes first)."""
         with self._lock:
-            free = self.capacity - sum(1 for e in self._entries.values() if e.tier == DEVICE)
-            if free <= 0:
-                return
+            free = self.capacity - len(self._device_ids())
+            needed = self._needed_in()
             demoted = [
                 self._resident(r, e)
                 for r, e in self._entries.items()
-                if e.tier != DEVICE and (e.busy is None or e.busy.done())
+                if e.tier != DEVICE and e.lost is None and (e.busy is None or e.busy.done())
             ]
-            due = prefetch_order(
-                demoted, self._needed_in(), self.model, lookahead_s=self.config.lookahead_s
+            # Free slots take the soonest needed; a swap only what is due within the lookahead.
+            soonest = sorted(
+                (r for r in demoted if r.request_id in needed), key=lambda r: needed[r.request_id]
             )
-            for r in due[:free]:
+            chosen = soonest[: max(free, 0)]
+            due = prefetch_order(
+                soonest[len(chosen) :], needed, self.model, lookahead_s=self.config.lookahead_s
+            )
+            later = sorted(
+                (needed.get(r, float("inf")) for r in self._device_ids()
+                 if not self._entries[r].pinned),
+                reverse=True,
+            )  # fmt: skip
+            for r in due:
+                if not later or later[0] <= needed[r.request_id]:
+                    break
+                later.pop(0)  # that resident makes way (the promotion demotes it first)
+                chosen.append(r)
+            for r in chosen:
                 entry = self._entries[r.request_id]
+                entry.incoming = True
                 self._chain(entry, functools.partial(self._promote_quietly, r.request_id, entry))
 
     def _promote_quietly(self, rid: int, e: _Entry) -> None:
@@ -344,7 +402,7 @@ class TieredKV:
         with self._lock:
             e = self._entries.get(request_id)
         if e is not None and e.busy is not None:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception):  # a failed move was recorded by it
                 e.busy.result()
         with self._lock:
             trail = self.trails.pop(request_id, None)
@@ -355,8 +413,9 @@ class TieredKV:
     def _forget_locked(self, rid: int) -> None:
         self._entries.pop(rid, None)
         self._running.pop(rid, None)
-        if rid in self._queue:
-            self._queue.remove(rid)
+        for waiting in (self._queue, self._requested):
+            if rid in waiting:
+                waiting.remove(rid)
         for store in self.stores.values():
             store.drop(rid)
 

@@ -1,0 +1,160 @@
+"""KV tiers live: a decode worker with device capacity K serves more than K sequences.
+
+Real in-process workers (the class ``topkv worker`` runs) host the seeded demo model: the
+prefill worker streams each request's KV to the decode worker over shm, which holds six at
+once with room for two on its device tier; the rest are demoted to host DRAM, an emulated
+CXL tier and a disk directory, and promoted back (or prefetched) for decode. Every token
+equals the single-process reference; a tier file deleted under a demoted KV fails that
+request's decode with a clear answer instead of wrong tokens; /metrics exposes the tier
+model measured by these moves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from topkv.relay.executor import AttemptFailed, AttemptPlan
+from topkv.relay.registry import MemoryRegistry
+from topkv.service.auth import Credentials, ServerAuth, new_token
+from topkv.service.engines import EngineSpec
+from topkv.service.messages import PrefillRequest
+from topkv.service.registrar import DirectRegistrar
+from topkv.service.remote_executor import RemoteExecutor
+from topkv.service.tier_config import TierConfig
+from topkv.service.worker import WorkerConfig, WorkerService
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from topkv.engine import (  # noqa: E402
+    DemoModelConfig,
+    build_demo_model,
+    prompt_token_ids,
+    reference_generate,
+)
+
+pytestmark = pytest.mark.model
+
+SMALL = DemoModelConfig(layers=6, hidden_size=64, heads=4, kv_heads=2, head_dim=16,
+                        intermediate_size=128, vocab_size=512, init_std=0.25)  # fmt: skip
+SEED = 5
+NEW_TOKENS = 8
+ADMIN = new_token()
+K = 2
+PROMPTS = [(40 + 3 * i, 100 + i) for i in range(6)]  # (length, seed): ~60-90 KB of KV each
+
+
+def _config(role: str, tiers: TierConfig | None) -> WorkerConfig:
+    return WorkerConfig(
+        role="prefill" if role == "prefill" else "decode",
+        node="n0",
+        secret=b"tiers-live-secret-0123456789",
+        worker_id=f"{role}0",
+        host_id="h0",
+        capacity=8,
+        engine=EngineSpec(kind="hf", demo_seed=SEED, demo_config=SMALL),
+        media=("shm", "tcp"),
+        auth=ServerAuth(Credentials.of(admin=[ADMIN])),
+        tiers=tiers,
+    )
+
+
+async def _serve(tmp: Path, lose: int | None) -> tuple[list[Any], dict[str, Any], str]:
+    tiers = TierConfig(
+        device_capacity=K,
+        host_bytes=128 << 10,
+        cxl_bytes=128 << 10,
+        cxl="emulated",
+        cxl_dilation=100.0,
+        disk_bytes=4 << 20,
+        disk_dir=tmp,
+    )
+    registry = MemoryRegistry()
+    prefill = WorkerService(_config("prefill", None), DirectRegistrar(registry))
+    decode = WorkerService(_config("decode", tiers), DirectRegistrar(registry))
+    await prefill.start()
+    await decode.start()
+    executor = RemoteExecutor(token=ADMIN)
+    assert prefill.info is not None and decode.info is not None and prefill.engine is not None
+    try:
+        firsts = {}
+        for rid, (length, seed) in enumerate(PROMPTS, start=1):
+            body = PrefillRequest(prompt_tokens=length, prompt_seed=seed)
+            held = await executor.prefill(prefill.info, rid, body)
+            firsts[rid] = held.first_token
+            plan = AttemptPlan(
+                rid, held.model_id, held.layout.to_layout(), prefill.info, decode.info,
+                "nvlink", 1, 30.0,
+            )  # fmt: skip
+            await executor.transfer(plan)
+            await executor.release_source(prefill.info, rid)
+        assert len(decode.store) == len(PROMPTS) > K  # all held at once
+        tiers_now = decode.tiers.tiers
+        assert tiers_now is not None
+        on_device = tiers_now.on_device()
+        where = {rid: tiers_now.tier_of(rid) for rid in firsts}
+        assert len(on_device) == K, where
+        if lose is not None:
+            victim = next(r for r, t in where.items() if t == "disk")
+            (tmp / f"kv-{victim}.topkv").unlink()
+
+        async def one(rid: int) -> Any:
+            try:
+                return await executor.decode(decode.info, rid, firsts[rid], NEW_TOKENS)  # type: ignore[arg-type]
+            except AttemptFailed as exc:
+                return exc
+
+        results = await asyncio.gather(*(one(rid) for rid in firsts))
+        for rid in firsts:
+            await executor.discard_destination(decode.info, rid)
+        async with (
+            aiohttp.ClientSession() as http,
+            http.get(f"{decode.info.control_url}/metrics") as answer,
+        ):
+            metrics = await answer.text()
+        return results, where, metrics
+    finally:
+        await executor.close()
+        await prefill.stop()
+        await decode.stop()
+
+
+def _expected() -> dict[int, list[int]]:
+    loaded = build_demo_model(SMALL, SEED)
+    return {
+        rid: reference_generate(loaded, prompt_token_ids(n, s, SMALL.vocab_size), NEW_TOKENS)
+        for rid, (n, s) in enumerate(PROMPTS, start=1)
+    }
+
+
+def test_more_than_k_sequences_decode_token_identical(tmp_path: Path) -> None:
+    results, where, metrics = asyncio.run(_serve(tmp_path, lose=None))
+    expected = _expected()
+    visited: set[str] = set()
+    for result in results:
+        assert result.tokens == expected[result.request_id]
+        assert result.tiers[0] == "device" and result.tiers[-1] == "device"
+        assert result.promotion_ms >= 0 and result.exposed_promotion_ms >= 0
+        visited.update(result.tiers)
+        if len(result.tiers) > 1:
+            assert result.promotion_ms > 0  # it came back from a lower tier
+    assert {"host", "cxl", "disk"} <= visited, where
+    assert sum(len(r.tiers) > 1 for r in results) >= len(PROMPTS) - K
+    assert 'topkv_kv_tier_bandwidth_gbps{direction="read",source="measured",tier="disk"}' in metrics
+    assert 'topkv_kv_tier_events_total{event="promotions"}' in metrics
+    assert 'topkv_kv_tier_capacity_bytes{emulated="true",tier="cxl"}' in metrics
+
+
+def test_a_deleted_tier_file_fails_that_decode_not_the_tokens(tmp_path: Path) -> None:
+    results, where, _ = asyncio.run(_serve(tmp_path, lose=1))
+    expected = _expected()
+    lost = [r for r in results if isinstance(r, AttemptFailed)]
+    assert len(lost) == 1 and "deleted" in str(lost[0]) and "recompute" in str(lost[0])
+    for result in results:
+        if not isinstance(result, AttemptFailed):
+            assert result.tokens == expected[result.request_id]
