@@ -31,7 +31,7 @@ from topkv.service.worker import WorkerConfig, WorkerService
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from topkv.engine import (  # noqa: E402
+from topkv.engine import (
     DemoModelConfig,
     build_demo_model,
     prompt_token_ids,
@@ -151,7 +151,7 @@ def test_more_than_k_sequences_decode_token_identical(tmp_path: Path) -> None:
 
 
 def test_a_deleted_tier_file_fails_that_decode_not_the_tokens(tmp_path: Path) -> None:
-    results, where, _ = asyncio.run(_serve(tmp_path, lose=1))
+    results, _where, _ = asyncio.run(_serve(tmp_path, lose=1))
     expected = _expected()
     lost = [r for r in results if isinstance(r, AttemptFailed)]
     assert len(lost) == 1 and "deleted" in str(lost[0]) and "recompute" in str(lost[0])
