@@ -7,6 +7,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from topkv.relay.expert_stats import ExpertReport
+
 Role = Literal["prefill", "decode"]
 
 
@@ -45,6 +47,9 @@ class WorkerInfo(BaseModel):
     capacity: int = Field(default=8, ge=0, description="KV caches the worker can hold at once")
     address: str = Field(default="", description="host:port of the worker's transfer endpoint")
     control_url: str = Field(default="", description="HTTP base URL of the worker's control API")
+    experts: ExpertReport | None = Field(
+        default=None, description="an MoE engine's expert statistics, renewed each heartbeat"
+    )
 
     def to_json(self) -> str:
         return self.model_dump_json()
