@@ -27,6 +27,7 @@ COMMAND_MODULES: list[str] = [
     "demo",
     "sim_validate",
     "token",
+    "label_node",
 ]
 
 _typer_app = typer.Typer(

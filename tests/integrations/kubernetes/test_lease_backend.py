@@ -1,5 +1,5 @@
 """The Kubernetes Lease backend of leader election (client-go ``LeaseLock`` semantics)
-against ``lease_standin`` (a STAND-IN for the API server's Lease endpoints with its 404/409
+against ``api_standin`` (a STAND-IN for the API server's Lease endpoints with its 404/409
 rules, over real HTTP), and against a real cluster when ``KUBECONFIG`` is set."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("lightkube", reason="the kubernetes extra: pip install -e '.[kubernetes]'")
 
-from lease_standin import LeaseStandIn
+from api_standin import ApiStandIn
 
 from topkv.integrations.kubernetes.lease import (
     ADDRESS_ANNOTATION,
@@ -31,8 +31,8 @@ TIMING = ElectionTiming.for_lease(2.0)
 
 
 @pytest.fixture
-def standin() -> Iterator[LeaseStandIn]:
-    server = LeaseStandIn()
+def standin() -> Iterator[ApiStandIn]:
+    server = ApiStandIn()
     try:
         yield server
     finally:
@@ -47,14 +47,14 @@ class FakeClock:
         return self.now
 
 
-def _backend(standin: LeaseStandIn, clock: FakeClock | None = None) -> KubernetesLeaseBackend:
+def _backend(standin: ApiStandIn, clock: FakeClock | None = None) -> KubernetesLeaseBackend:
     backend = KubernetesLeaseBackend.for_server(standin.url, NS, TIMING)
     if clock is not None:
         backend._clock = clock
     return backend
 
 
-def _spec(standin: LeaseStandIn) -> dict[str, object]:
+def _spec(standin: ApiStandIn) -> dict[str, object]:
     spec = standin.leases[(NS, DEFAULT_LEASE_NAME)]["spec"]
     assert isinstance(spec, dict)
     return spec
@@ -64,7 +64,7 @@ A = Candidate("orch-a", "http://a:8470")
 B = Candidate("orch-b", "http://b:8470")
 
 
-def test_create_renew_and_take_over_with_client_go_fields(standin: LeaseStandIn) -> None:
+def test_create_renew_and_take_over_with_client_go_fields(standin: ApiStandIn) -> None:
     clock = FakeClock()
     a, b = _backend(standin, clock), _backend(standin, clock)
     record = a.try_acquire_or_renew(A)  # 404 -> create
@@ -95,7 +95,7 @@ def test_create_renew_and_take_over_with_client_go_fields(standin: LeaseStandIn)
     assert a.try_acquire_or_renew(A).holder == "orch-b"
 
 
-def test_optimistic_concurrency_one_of_two_updates_wins(standin: LeaseStandIn) -> None:
+def test_optimistic_concurrency_one_of_two_updates_wins(standin: ApiStandIn) -> None:
     old = (dt.datetime.now(dt.UTC) - dt.timedelta(hours=1)).isoformat()
     standin.put_lease(
         NS,
@@ -119,7 +119,7 @@ def test_optimistic_concurrency_one_of_two_updates_wins(standin: LeaseStandIn) -
 
 
 def test_an_expired_unknown_holder_is_taken_over_an_unexpired_one_respected(
-    standin: LeaseStandIn,
+    standin: ApiStandIn,
 ) -> None:
     now = dt.datetime.now(dt.UTC)
     standin.put_lease(
@@ -148,7 +148,7 @@ def test_an_expired_unknown_holder_is_taken_over_an_unexpired_one_respected(
 
 
 def test_api_errors_are_clear_and_the_loop_retries_them(
-    standin: LeaseStandIn, caplog: pytest.LogCaptureFixture
+    standin: ApiStandIn, caplog: pytest.LogCaptureFixture
 ) -> None:
     backend = _backend(standin)
     standin.fail_next(403)
@@ -181,7 +181,7 @@ def test_api_errors_are_clear_and_the_loop_retries_them(
     assert "HTTP 503" in failures[0] and "forbidden" in failures[2]
 
 
-def test_two_elections_exactly_one_leader_and_handover(standin: LeaseStandIn) -> None:
+def test_two_elections_exactly_one_leader_and_handover(standin: ApiStandIn) -> None:
     async def main() -> None:
         a = LeaderElection(_backend(standin), A, TIMING)
         b = LeaderElection(_backend(standin), B, TIMING)

@@ -29,12 +29,12 @@ from collections.abc import Callable
 from typing import TypeVar
 
 import httpx2
-from lightkube import ApiError, Client, KubeConfig
-from lightkube.config.models import Cluster, User
+from lightkube import ApiError, Client
 from lightkube.models.coordination_v1 import LeaseSpec
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.coordination_v1 import Lease
 
+from topkv.integrations.kubernetes.client import api_client
 from topkv.relay.leader import Candidate, ElectionTiming, LeaderElectionError, LeaderRecord
 
 DEFAULT_LEASE_NAME = "topkv-orchestrator"
@@ -73,14 +73,7 @@ class KubernetesLeaseBackend:
     def in_cluster(cls, namespace: str | None, timing: ElectionTiming) -> KubernetesLeaseBackend:
         """From the pod's service account (or ``$KUBECONFIG`` / ``~/.kube/config``);
         ``namespace`` None: the pod's own (the config's)."""
-        try:
-            config = KubeConfig.from_env()
-        except Exception as exc:  # lightkube raises its ConfigError or OSError
-            raise LeaderElectionError(
-                f"no Kubernetes credentials for --leader-elect k8s ({exc}): run in a pod with a "
-                "service account, or set KUBECONFIG"
-            ) from None
-        client = Client(config, namespace=namespace, timeout=_timeout(timing))
+        client = api_client(namespace=namespace, timeout_s=_timeout_s(timing))
         return cls(client, namespace or client.namespace, timing)
 
     @classmethod
@@ -95,8 +88,7 @@ class KubernetesLeaseBackend:
     ) -> KubernetesLeaseBackend:
         """Against the API server at ``url`` with ``token`` (None: no credentials, as the
         tests' stand-in takes)."""
-        config = KubeConfig.from_one(cluster=Cluster(server=url), user=User(token=token))
-        client = Client(config, namespace=namespace, timeout=_timeout(timing))
+        client = api_client(url, namespace=namespace, token=token, timeout_s=_timeout_s(timing))
         return cls(client, namespace, timing, name=name)
 
     def describe(self) -> str:
@@ -221,6 +213,6 @@ class KubernetesLeaseBackend:
             ) from None
 
 
-def _timeout(timing: ElectionTiming) -> httpx2.Timeout:
+def _timeout_s(timing: ElectionTiming) -> float:
     # A call must end well within the renew deadline, leaving room for the next try.
-    return httpx2.Timeout(max(0.5, timing.renew_deadline_s / 3))
+    return max(0.5, timing.renew_deadline_s / 3)

@@ -1,11 +1,13 @@
-"""A STAND-IN for the Kubernetes API server's Lease endpoints (coordination.k8s.io/v1), for
-tests only: no Kubernetes API server can run on the test machines.
+"""A STAND-IN for the Kubernetes API server's Lease endpoints (coordination.k8s.io/v1) and
+Node GET/PATCH, for tests only: no Kubernetes API server can run on the test machines.
 
 It serves, over real HTTP on a loopback port, what the Lease backend calls, with the API's
 rules: GET of a missing Lease is 404 (a ``Status`` with reason NotFound); POST of an existing
 one is 409 AlreadyExists; PUT of a missing one is 404; PUT whose
 ``metadata.resourceVersion`` is not the stored one is 409 Conflict; every write bumps the
-resourceVersion. ``fail_next`` answers the next calls with given statuses (403, 500, ...)
+resourceVersion. GET of a Node answers it (404 when missing); PATCH with
+``application/merge-patch+json`` merges the body into it (RFC 7386: ``null`` deletes), other
+patch types are 415. ``fail_next`` answers the next calls with given statuses (403, 500, ...)
 to exercise the backend's error handling. It is not a Kubernetes API server.
 """
 
@@ -19,13 +21,15 @@ from typing import Any
 
 _ITEM = re.compile(r"^/apis/coordination\.k8s\.io/v1/namespaces/([^/]+)/leases/([^/?]+)$")
 _COLLECTION = re.compile(r"^/apis/coordination\.k8s\.io/v1/namespaces/([^/]+)/leases$")
+_NODE = re.compile(r"^/api/v1/nodes/([^/?]+)$")
 
 
-class LeaseStandIn:
+class ApiStandIn:
     """Leases by (namespace, name), behind a lock; see the module docstring."""
 
     def __init__(self) -> None:
         self.leases: dict[tuple[str, str], dict[str, Any]] = {}
+        self.nodes: dict[str, dict[str, Any]] = {}
         self.calls: list[tuple[str, str, int]] = []
         self._failures: list[int] = []
         self._version = 100
@@ -44,6 +48,9 @@ class LeaseStandIn:
 
             def do_PUT(self) -> None:
                 standin._serve(self, "PUT")
+
+            def do_PATCH(self) -> None:
+                standin._serve(self, "PATCH")
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
@@ -77,8 +84,13 @@ class LeaseStandIn:
         path = handler.path.split("?", 1)[0]
         length = int(handler.headers.get("Content-Length") or 0)
         body = json.loads(handler.rfile.read(length)) if length else None
+        node = _NODE.match(path)
         with self._lock:
-            status, answer = self._answer(method, path, body)
+            if node is not None and not self._failures:
+                content_type = handler.headers.get("Content-Type", "")
+                status, answer = self._node(method, node[1], body, content_type)
+            else:
+                status, answer = self._answer(method, path, body)
             self.calls.append((method, path, status))
         data = json.dumps(answer).encode()
         handler.send_response(status)
@@ -119,6 +131,21 @@ class LeaseStandIn:
             return 200, self._store(item[1], item[2], body)
         return 404, _status(404, "NotFound", f"the stand-in does not serve {method} {path}")
 
+    def _node(
+        self, method: str, name: str, body: Any, content_type: str
+    ) -> tuple[int, dict[str, Any]]:
+        node = self.nodes.get(name)
+        if node is None:
+            return 404, _status(404, "NotFound", f'nodes "{name}" not found')
+        if method == "GET":
+            return 200, node
+        if method == "PATCH":
+            if not content_type.startswith("application/merge-patch+json"):
+                return 415, _status(415, "UnsupportedMediaType", content_type)
+            self.nodes[name] = _merge(node, body)
+            return 200, self.nodes[name]
+        return 405, _status(405, "MethodNotAllowed", method)
+
     def _store(self, namespace: str, name: str, body: dict[str, Any]) -> dict[str, Any]:
         self._version += 1
         lease = json.loads(json.dumps(body))
@@ -144,3 +171,16 @@ def _status(code: int, reason: str, message: str) -> dict[str, Any]:
         "reason": reason,
         "code": code,
     }
+
+
+def _merge(target: Any, patch: Any) -> Any:
+    """RFC 7386 JSON merge patch."""
+    if not isinstance(patch, dict):
+        return patch
+    result = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            result.pop(key, None)
+        else:
+            result[key] = _merge(result.get(key), value)
+    return result
