@@ -45,6 +45,16 @@ from topkv.cli.security_options import (
     tls_cert_option,
     tls_key_option,
 )
+from topkv.cli.tier_options import (
+    device_kv_capacity_option,
+    kv_cxl_bytes_option,
+    kv_cxl_dilation_option,
+    kv_cxl_option,
+    kv_disk_bytes_option,
+    kv_host_bytes_option,
+    kv_tier_dir_option,
+    tier_config,
+)
 from topkv.errors import ConfigError
 from topkv.jsonout import dumps
 from topkv.relay.orchestrator_config import OrchestratorConfig, RetryPolicy
@@ -194,6 +204,13 @@ def worker_command(
     worker_id: str = typer.Option("", help="default: ROLE-NODE-gpuI"),
     host_id: str = typer.Option("", help="OS host identity; equal ids may use shm"),
     capacity: int = typer.Option(8, help="KV caches held at once"),
+    device_kv_capacity: int = device_kv_capacity_option(),
+    kv_host_bytes: str = kv_host_bytes_option(),
+    kv_cxl_bytes: str = kv_cxl_bytes_option(),
+    kv_cxl: str = kv_cxl_option(),
+    kv_cxl_dilation: float = kv_cxl_dilation_option(),
+    kv_disk_bytes: str = kv_disk_bytes_option(),
+    kv_tier_dir: Path | None = kv_tier_dir_option(),
     ttl: float = typer.Option(10.0, help="registry lease seconds (heartbeat every ttl/3)"),
     nvlink_domain: str = typer.Option("", help="NVLink domain id, if any"),
     nvlink: bool = typer.Option(False, help="advertise NVLink"),
@@ -287,6 +304,15 @@ def worker_command(
             needs_token=not registry,
         ),
         tls=server_tls(tls_cert, tls_key, tls_ca),
+        tiers=tier_config(
+            device_kv_capacity,
+            kv_host_bytes,
+            kv_cxl_bytes,
+            kv_cxl,
+            kv_cxl_dilation,
+            kv_disk_bytes,
+            kv_tier_dir,
+        ),
     )
 
     async def main(stop: asyncio.Event) -> None:

@@ -34,6 +34,7 @@ from topkv.service.client import OrchestratorClient
 from topkv.service.cluster_tokens import ClusterTokens, TokenFiles
 from topkv.service.engines import EngineSpec
 from topkv.service.errors import ClusterError, ServiceError
+from topkv.service.tier_config import TierConfig
 from topkv.service.tls import ClientTLS, ThrowawayPKI, make_throwaway_pki
 from topkv.service.worker import FAULTS_ENV, SECRET_ENV, WorkerFaults
 from topkv.service.worker_media import (
@@ -203,6 +204,7 @@ class WorkerPlacement:
     nvlink_domain: str | None = None  # what the worker advertises about its GPU
     nvlink: bool = False
     rdma: bool = False
+    tiers: TierConfig | None = None  # KV memory tiers (--device-kv-capacity ...); None: none
 
 
 @dataclass
@@ -379,6 +381,8 @@ class LocalCluster:
             args += engine.cli_args()
         if cfg.media is not None:
             args += ["--media", ",".join(cfg.media)]
+        if placement.tiers is not None:
+            args += placement.tiers.cli_args()
         args += self._worker_auth_args(name) + self._tls_args()
         if is_etcd_url(cfg.registry):
             args += ["--registry", cfg.registry, *cfg.etcd_args]

@@ -16,7 +16,7 @@ from pathlib import Path
 from topkv.errors import ConfigError
 from topkv.policy.tiers import PAPER_TIERS, TierSpec
 from topkv.service.tier_arena import Arena
-from topkv.service.tier_stores import DiskTierStore, MemoryTierStore, TierStore
+from topkv.service.tier_stores import DiskTierStore, MemoryTierStore, TierStore, check_directory
 from topkv.topology.tiers import TierInventory
 
 #: Measured host memcpy of a modest server; the host tier's nominal figure until measured.
@@ -64,8 +64,22 @@ class TierConfig:
                 "--kv-cxl-bytes or --kv-disk-bytes"
             )
 
+    def cli_args(self) -> list[str]:
+        """The ``topkv worker`` flags that give this configuration."""
+        args = [
+            "--device-kv-capacity", str(self.device_capacity),
+            "--kv-host-bytes", str(self.host_bytes),
+            "--kv-cxl-bytes", str(self.cxl_bytes),
+            "--kv-cxl", self.cxl,
+            "--kv-cxl-dilation", repr(self.cxl_dilation),
+            "--kv-disk-bytes", str(self.disk_bytes),
+        ]  # fmt: skip
+        return args + (["--kv-tier-dir", str(self.disk_dir)] if self.disk_dir else [])
+
 
 def _gib(n: int) -> str:
+    if n < 1 << 30:
+        return f"{n / (1 << 20):.1f} MiB ({n:,} bytes)"
     return f"{n / (1 << 30):.2f} GiB ({n:,} bytes)"
 
 
@@ -90,8 +104,9 @@ def build_tier_stores(config: TierConfig, inventory: TierInventory) -> list[Tier
         )
     if config.disk_bytes:  # checked before any arena is made
         assert config.disk_dir is not None
-        stat = os.statvfs(config.disk_dir) if config.disk_dir.is_dir() else None
-        if stat is not None and config.disk_bytes > stat.f_bavail * stat.f_frsize:
+        check_directory(config.disk_dir)
+        stat = os.statvfs(config.disk_dir)
+        if config.disk_bytes > stat.f_bavail * stat.f_frsize:
             raise ConfigError(
                 f"KV tiers ask for {_gib(config.disk_bytes)} of disk in {config.disk_dir}; "
                 f"its filesystem has {_gib(stat.f_bavail * stat.f_frsize)} free"

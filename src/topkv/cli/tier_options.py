@@ -1,0 +1,71 @@
+"""The ``topkv worker`` flags of the KV memory tiers (``--device-kv-capacity K`` and the
+sizes of the tiers below it); see ``docs/tiers.md``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from topkv.cli.select import parse_byte_size
+from topkv.service.tier_config import TierConfig
+
+CAPACITY_HELP = (
+    "KV caches kept on the device tier; beyond it idle ones are demoted to host / CXL / "
+    "disk and prefetched back (0: no tiers)"
+)
+CXL_HELP = (
+    "auto: a CPU-less NUMA node if there is one, else emulated (150 ns, 64 GB/s, paced and "
+    "labelled) | emulated | off"
+)
+
+
+def device_kv_capacity_option() -> int:
+    return typer.Option(0, "--device-kv-capacity", help=CAPACITY_HELP)  # type: ignore[no-any-return]
+
+
+def kv_host_bytes_option() -> str:
+    return typer.Option("256MiB", "--kv-host-bytes", help="host DRAM tier size")  # type: ignore[no-any-return]
+
+
+def kv_cxl_bytes_option() -> str:
+    return typer.Option("0", "--kv-cxl-bytes", help="CXL tier size (0: none)")  # type: ignore[no-any-return]
+
+
+def kv_cxl_option() -> str:
+    return typer.Option("auto", "--kv-cxl", help=CXL_HELP)  # type: ignore[no-any-return]
+
+
+def kv_cxl_dilation_option() -> float:
+    return typer.Option(1.0, "--kv-cxl-dilation", help="emulated CXL time dilation")  # type: ignore[no-any-return]
+
+
+def kv_disk_bytes_option() -> str:
+    return typer.Option("0", "--kv-disk-bytes", help="disk tier size (0: none)")  # type: ignore[no-any-return]
+
+
+def kv_tier_dir_option() -> Path | None:
+    return typer.Option(None, "--kv-tier-dir", help="the disk tier's directory")  # type: ignore[no-any-return]
+
+
+def tier_config(
+    device_kv_capacity: int,
+    host: str,
+    cxl_bytes: str,
+    cxl: str,
+    cxl_dilation: float,
+    disk_bytes: str,
+    tier_dir: Path | None,
+) -> TierConfig | None:
+    """The worker's :class:`TierConfig` from its flags (None without --device-kv-capacity)."""
+    if device_kv_capacity == 0:
+        return None
+    return TierConfig(
+        device_capacity=device_kv_capacity,
+        host_bytes=parse_byte_size(host),
+        cxl_bytes=parse_byte_size(cxl_bytes),
+        cxl=cxl,
+        cxl_dilation=cxl_dilation,
+        disk_bytes=parse_byte_size(disk_bytes),
+        disk_dir=tier_dir,
+    )
