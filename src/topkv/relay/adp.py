@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -88,6 +89,8 @@ class Conversion:
     duration_ms: float | None
     #: The worker's own share (checks and re-registration), ms.
     worker_ms: float | None = None
+    #: How long it was fenced before (waiting for its KV to be acknowledged), ms.
+    fenced_ms: float = 0.0
     detail: str = ""
 
     @property
@@ -139,6 +142,7 @@ class LiveAdaptivePool:
         self.native: dict[str, Role] = {}
         self.stage: dict[str, Stage] = {}
         self._waiters: dict[str, tuple[Role, asyncio.Future[None]]] = {}
+        self._fenced_at: dict[str, float] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._ticker: asyncio.Task[None] | None = None
         orchestrator.view.subscribe(self._on_event)
@@ -209,10 +213,12 @@ class LiveAdaptivePool:
         for wid in plan.fence:
             if wid not in stage:
                 stage[wid] = "fenced"
+                self._fenced_at[wid] = self.timer.now()
                 self.orchestrator.fence(wid)
         for wid in plan.unfence:
             if stage.get(wid) == "fenced":
                 del stage[wid]
+                self._fenced_at.pop(wid, None)
                 self.orchestrator.fence(wid, False)
         for wid in plan.to_prefill:
             if stage.get(wid) in (None, "fenced"):
@@ -251,6 +257,8 @@ class LiveAdaptivePool:
     async def _convert(self, worker_id: str, from_role: Role, to_role: Role) -> None:
         at_ms = (self.clock.now() - self.origin_s) * 1000.0
         started = self.timer.now()
+        fenced_at = self._fenced_at.pop(worker_id, None)
+        fenced_ms = 0.0 if fenced_at is None else (started - fenced_at) * 1000.0
         loop = asyncio.get_running_loop()
         registered: asyncio.Future[None] = loop.create_future()
         self._waiters[worker_id] = (to_role, registered)
@@ -285,7 +293,9 @@ class LiveAdaptivePool:
         self.metrics.conversions.labels(from_role, to_role).inc()
         self.metrics.seconds.labels(to_role).observe(duration_ms / 1000.0)
         self.conversions.append(
-            Conversion(worker_id, from_role, to_role, at_ms, duration_ms, worker_s * 1000.0)
+            Conversion(
+                worker_id, from_role, to_role, at_ms, duration_ms, worker_s * 1000.0, fenced_ms
+            )
         )
         self._gauges()
 
@@ -293,7 +303,7 @@ class LiveAdaptivePool:
         self, worker_id: str, from_role: Role, to_role: Role, at_ms: float, why: str
     ) -> None:
         self.metrics.failures.labels(from_role, to_role).inc()
-        self.conversions.append(Conversion(worker_id, from_role, to_role, at_ms, None, None, why))
+        self.conversions.append(Conversion(worker_id, from_role, to_role, at_ms, None, detail=why))
         info = self.orchestrator.view.get(worker_id)
         if info is None or to_role == "prefill":
             # gone (its registration left: the orchestrator rerouted what was in flight to
@@ -355,14 +365,16 @@ class LiveAdaptivePool:
 
     # -- lifecycle ---------------------------------------------------------------------------
 
-    def start(self, tick_s: float = 1.0) -> None:
-        """Tick every ``tick_s`` seconds (real time) on the running loop until :meth:`close`."""
+    def start(self, tick_s: float = 1.0, acting: Callable[[], bool] | None = None) -> None:
+        """Tick every ``tick_s`` seconds (real time) on the running loop until :meth:`close`;
+        with ``acting``, only while it says so (an orchestrator that leads)."""
         if self._ticker is None:
-            self._ticker = asyncio.ensure_future(self._tick_loop(tick_s))
+            self._ticker = asyncio.ensure_future(self._tick_loop(tick_s, acting))
 
-    async def _tick_loop(self, tick_s: float) -> None:
+    async def _tick_loop(self, tick_s: float, acting: Callable[[], bool] | None) -> None:
         while True:
-            await self.tick()
+            if acting is None or acting():
+                await self.tick()
             await asyncio.sleep(tick_s)
 
     async def settle(self, timeout_s: float = 30.0) -> None:

@@ -36,6 +36,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, Counter
 
 from topkv.errors import ConfigError, TopKVError
 from topkv.policy.adapters import cluster_from_json, pair_view_from_cluster
+from topkv.policy.adp import ADPConfig
 from topkv.policy.view import PairView
 from topkv.relay.completions import Completion
 from topkv.relay.executor import AttemptFailed
@@ -56,6 +57,7 @@ from topkv.relay.transfers import (
     UnknownRequest,
 )
 from topkv.relay.workers import WorkerInfo
+from topkv.service.adp_service import ServiceADP, adp_handler
 from topkv.service.api_models import (
     DecodeCheck,
     Health,
@@ -119,6 +121,10 @@ class OrchestratorServiceConfig:
     tls: TLSConfig | None = None
     #: Campaign for leadership (``--leader-elect``); None: this orchestrator always leads.
     leader_elect: LeaderElectConfig | None = None
+    #: The live Adaptive Decoder Pool (``--adp on``; docs/adp.md), ticking every
+    #: ``adp_tick_s`` while this orchestrator leads; None: off.
+    adp: ADPConfig | None = None
+    adp_tick_s: float = 1.0
 
     def __post_init__(self) -> None:
         if self.leader_elect is not None and self.registry == "memory":
@@ -194,6 +200,17 @@ class OrchestratorService:
             registry=self.orchestrator.metrics.registry,
         )
         self.leadership = Leadership(config.leader_elect, self.executor)
+        self.adp = (
+            ServiceADP(
+                self.orchestrator,
+                self.executor,
+                config.adp,
+                tick_s=config.adp_tick_s,
+                acting=self.leadership.acting,
+            )
+            if config.adp is not None
+            else None
+        )
         self._registrations = Registrations(self.registry, config.registration_limits)
         self._checks: OrderedDict[int, DecodeCheck] = OrderedDict()
         self._generate: OrderedDict[int, int] = OrderedDict()  # request -> new_tokens
@@ -209,6 +226,8 @@ class OrchestratorService:
         self._tasks.append(asyncio.create_task(self._consume_completions(), name="decode"))
         if self.embedded:
             self._tasks.append(asyncio.create_task(self._expire_loop(), name="expire"))
+        if self.adp is not None:
+            self.adp.start()
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -216,6 +235,8 @@ class OrchestratorService:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
         await self.leadership.stop()
+        if self.adp is not None:
+            await self.adp.stop()
         await self.orchestrator.close()
         for task in list(self._decode_tasks):
             task.cancel()
@@ -254,6 +275,8 @@ class OrchestratorService:
                 detail="the decode worker left before decode took the KV",
             )
         else:
+            if self.adp is not None:
+                self.adp.delivered(record)  # the first token is out: a TTFT
             check = await self._check_and_generate(worker, rid, record.source_digest)
             await self.executor.discard_destination(worker, rid)
         self.decode_checks.labels("match" if check.matches_source else "mismatch").inc()
@@ -296,7 +319,10 @@ class OrchestratorService:
         return TransferView.model_validate(data)
 
     def _pick_source(self) -> WorkerInfo:
-        prefill = self.orchestrator.view.workers("prefill")
+        if self.adp is not None:  # converted workers in, drained ones out
+            prefill = self.adp.prefill_workers()
+        else:
+            prefill = self.orchestrator.view.workers("prefill")
         if not prefill:
             raise UnknownWorker("no prefill worker is registered")
         return prefill[next(self._round_robin) % len(prefill)]
@@ -320,6 +346,7 @@ class OrchestratorService:
             Route("PUT", "/v1/workers/{worker_id}/heartbeat", self.heartbeat_worker, Access.WORKER),
             Route("DELETE", "/v1/workers/{worker_id}", self.deregister_worker, Access.WORKER),
             Route("GET", "/v1/topology", self.topology, Access.ADMIN),
+            Route("GET", "/v1/adp", adp_handler(self.adp), Access.ADMIN),
             Route("GET", "/v1/leader", self.leadership.leader, Access.PUBLIC),
             Route("GET", "/healthz", self.healthz, Access.PUBLIC),
             Route("GET", "/readyz", self.readyz, Access.PUBLIC),
@@ -348,6 +375,8 @@ class OrchestratorService:
         self.executor.force_medium(rid, body.medium)
         if body.is_prompt:
             record = await self._submit_prompt(body, rid, source)
+            if self.adp is not None:
+                self.adp.arrived(record.layout.seq_len)
             return model_response(self.view_of(record), status=202)
         assert layout is not None
         digest: int | None = None
@@ -365,6 +394,8 @@ class OrchestratorService:
             source_digest=digest,
             manual_override=body.transport,
         )
+        if self.adp is not None:
+            self.adp.arrived(layout.seq_len)
         return model_response(self.view_of(record), status=202)
 
     async def _submit_prompt(

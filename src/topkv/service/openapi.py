@@ -8,6 +8,7 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from topkv.service.adp_service import AdpState
 from topkv.service.api_models import (
     Health,
     HeartbeatAck,
@@ -33,6 +34,7 @@ _MODELS: tuple[type[BaseModel], ...] = (
     Health,
     Readiness,
     ErrorResponse,
+    AdpState,
 )
 
 
@@ -173,6 +175,12 @@ def openapi_document() -> dict[str, Any]:
             "get": {
                 "summary": "Path candidates of every prefill -> decode pair",
                 "responses": {"200": {"description": "topology", "content": _json(TopologyView)}},
+            }
+        },
+        "/v1/adp": {
+            "get": {
+                "summary": "Live Adaptive Decoder Pool: rush, stages, conversions (adp.md)",
+                "responses": {"200": {"description": "ADP state", "content": _json(AdpState)}},
             }
         },
         "/v1/leader": {
