@@ -57,6 +57,7 @@ from topkv.cli.tier_options import (
 )
 from topkv.errors import ConfigError
 from topkv.jsonout import dumps
+from topkv.policy.adp import ADPConfig
 from topkv.relay.orchestrator_config import OrchestratorConfig, RetryPolicy
 from topkv.relay.workers import WorkerCapabilities
 from topkv.service.auth import CONTROL_TOKEN_FILE_ENV, TOKEN_FILE_ENV
@@ -109,6 +110,12 @@ async def _until_signalled(main: object) -> None:
     await main(stop)  # type: ignore[operator]
 
 
+def _adp_config(value: str) -> ADPConfig | None:
+    if value not in ("on", "off"):
+        raise ConfigError(f"--adp must be on or off, not {value!r}")
+    return ADPConfig() if value == "on" else None
+
+
 def orchestrator_command(
     host: str = typer.Option("127.0.0.1", help="address to listen on"),
     port: int = typer.Option(DEFAULT_PORT, help="HTTP port (0 picks a free one)"),
@@ -146,6 +153,11 @@ def orchestrator_command(
     leader_elect: str | None = leader_elect_option(),
     lease_seconds: float = lease_seconds_option(),
     advertise_url: str | None = advertise_url_option(),
+    adp: str = typer.Option(
+        "off",
+        help="on: the live Adaptive Decoder Pool converts decode workers in a rush "
+        "(docs/adp.md; GET /v1/adp)",
+    ),
 ) -> None:
     """Run the orchestrator: HTTP API, registry, relay, /metrics."""
     from topkv.service.http_api import OrchestratorServiceConfig, serve_orchestrator
@@ -172,6 +184,7 @@ def orchestrator_command(
             retry=RetryPolicy(max_retries=retries, backoff_s=backoff),
         ),
         leader_elect=leader_elect_config(leader_elect, lease_seconds, advertise_url),
+        adp=_adp_config(adp),
     )
 
     async def main(stop: asyncio.Event) -> None:
