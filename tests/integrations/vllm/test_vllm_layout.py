@@ -1,8 +1,10 @@
 """Block-layout packing against each backend's own reading of its cache.
 
 The oracles are the expressions vLLM's attention backends use to find K and V in a page
-(CPU: the page viewed as ``[2 * block_size, head_dim]`` and halved; FlashAttention >= 0.32:
-the last axis split; the legacy 5-D layouts: their K/V axis), not our views.
+(CPU: the page flattened, keys ``[head_dim][block_size]`` then values
+``[block_size][head_dim]``, as its reshape_and_cache kernel writes them (the kernel itself is
+the oracle in test_vllm_cpu_kernel.py); FlashAttention >= 0.32: the last axis split; the
+legacy 5-D layouts: their K/V axis), not our views.
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ def _oracle(cache: torch.Tensor, layout: BlockLayout) -> tuple[torch.Tensor, tor
     """K and V as ``[blocks, block_size, heads, dim]``, the way each backend reads them."""
     if layout is BlockLayout.CPU_PACKED:
         b, h, n, c = cache.shape
-        k, v = cache.reshape(b, h, 2 * n, c // 2).chunk(2, dim=2)  # cpu_attn.py
-        return k.transpose(1, 2), v.transpose(1, 2)
+        flat = cache.reshape(b, h, n * c)
+        k = flat[..., : n * c // 2].reshape(b, h, c // 2, n).permute(0, 3, 1, 2)
+        v = flat[..., n * c // 2 :].reshape(b, h, n, c // 2).permute(0, 2, 1, 3)
+        return k, v
     if layout is BlockLayout.CUDA_SPLIT:
         k, v = cache.transpose(1, 2).split(cache.shape[-1] // 2, dim=-1)  # flash_attn.py
         return k, v

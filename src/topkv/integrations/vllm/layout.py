@@ -9,9 +9,11 @@ strides, so one gather and one scatter serve every backend.
 
 Layouts (the logical shape vLLM hands to ``register_kv_caches``):
 
-* ``cpu-packed``: ``[num_blocks, kv_heads, block_size, 2 * head_dim]``; the CPU backend
-  reads each ``(block, head)`` page as ``[2 * block_size, head_dim]``: the page's keys,
-  then its values.
+* ``cpu-packed``: ``[num_blocks, kv_heads, block_size, 2 * head_dim]``; each
+  ``(block, head)`` page is one contiguous run: the page's keys, then its values. The CPU
+  kernels (``cpu_attn_reshape_and_cache``, ISAs vec and vec16, measured on vLLM 0.32.0) keep
+  the keys transposed, ``[head_dim][block_size]``, and the values ``[block_size][head_dim]``.
+  The AMX kernel (bfloat16 on CPUs with AMX tiles) packs pages its own way: not supported.
 * ``cuda-split``: the same logical shape; FlashAttention, FlashInfer and Triton in vLLM
   >= 0.32 split the last axis: ``[..., :head_dim]`` keys, ``[..., head_dim:]`` values,
   token by token.
@@ -65,17 +67,24 @@ def kv_views(cache: torch.Tensor, layout: BlockLayout) -> tuple[torch.Tensor, to
         if content % 2:
             raise LayoutError(f"the last axis ({content}) holds K and V: it must be even")
         head_dim = content // 2
-        if layout is BlockLayout.CPU_PACKED:
-            try:
-                pages = cache.view(blocks, heads, 2 * block_size, head_dim)
-            except RuntimeError as exc:
-                raise LayoutError(
-                    "a cpu-packed cache needs each page's [block_size, 2*head_dim] contiguous"
-                ) from exc
-            k, v = pages[:, :, :block_size], pages[:, :, block_size:]
-        else:
+        if layout is BlockLayout.CUDA_SPLIT:
             k, v = cache[..., :head_dim], cache[..., head_dim:]
-        return k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)
+            return k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)
+        if cache.stride(3) != 1 or cache.stride(2) != content:
+            raise LayoutError(
+                "a cpu-packed cache needs each page's [block_size, 2*head_dim] contiguous"
+            )
+        page = block_size * head_dim  # elements of the keys (or the values) of one page
+        sb, sh = cache.stride(0), cache.stride(1)
+        offset = cache.storage_offset()
+        # keys [head_dim][block_size] at the page's start, values [block_size][head_dim] after
+        k_t = cache.as_strided(
+            (blocks, heads, head_dim, block_size), (sb, sh, block_size, 1), offset
+        )
+        v = cache.as_strided(
+            (blocks, heads, block_size, head_dim), (sb, sh, head_dim, 1), offset + page
+        )
+        return k_t.permute(0, 3, 1, 2), v.permute(0, 2, 1, 3)
     _expect_dims(cache, 5, layout)
     if layout is BlockLayout.FLASH_ATTN:
         if cache.shape[0] != 2:
