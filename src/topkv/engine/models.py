@@ -91,15 +91,7 @@ def build_demo_model(config: DemoModelConfig, seed: int) -> LoadedModel:
     with torch.random.fork_rng(devices=[]):
         model = LlamaForCausalLM(_llama_config(config))
     model.train(False)  # inference mode for dropout/norm layers
-    generator = torch.Generator(device="cpu").manual_seed(seed)
-    with torch.no_grad():
-        for name, param in sorted(model.named_parameters(), key=lambda item: item[0]):
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-            else:
-                param.copy_(
-                    torch.normal(0.0, config.init_std, size=tuple(param.shape), generator=generator)
-                )
+    seed_parameters(model, config.init_std, seed)
     model_id = (
         f"topkv-demo-llama-{config.layers}L-{config.hidden_size}h-"
         f"{config.heads}q{config.kv_heads}kv-seed{seed}"
@@ -107,6 +99,18 @@ def build_demo_model(config: DemoModelConfig, seed: int) -> LoadedModel:
     return LoadedModel(
         model=model, model_id=model_id, source="demo (seeded random weights)", seed=seed
     )
+
+
+def seed_parameters(model: torch.nn.Module, std: float, seed: int) -> None:
+    """Fill ``model``'s weights from ``seed``: in sorted parameter-name order, norm weights
+    1, every other tensor N(0, ``std``) from our own generator."""
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters(), key=lambda item: item[0]):
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.copy_(torch.normal(0.0, std, size=tuple(param.shape), generator=generator))
 
 
 def _check_supported(config: PretrainedConfig, path: Path) -> None:

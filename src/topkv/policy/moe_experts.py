@@ -67,8 +67,8 @@ DEFAULT_WEIGHTS = MoEWeights()
 class ExpertReplica:
     """One replica of expert ``expert`` of layer ``layer``, hosted by ``worker_id``.
 
-    ``rate``: activations per second (an EMA); ``compute_s``: seconds one dispatched batch
-    takes on it (EMA); ``network_s``: the dispatch round trip the host measures (EMA);
+    ``rate``: activations per second (an EMA); ``compute_s``: seconds per routed token
+    on it (EMA); ``network_s``: the dispatch round trip the host measures (EMA);
     ``queue_depth``: batches waiting; ``updated_at``: when its host last reported, on the
     router's clock.
     """

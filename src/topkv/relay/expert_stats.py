@@ -16,19 +16,23 @@ from pydantic import BaseModel, ConfigDict, Field
 
 #: The most expert entries one worker may report (layers x experts it hosts).
 MAX_EXPERT_ENTRIES = 16_384
+#: The largest expert id (and layer) a report may name.
+MAX_EXPERT_ID = 65_535
+MAX_LAYER = 4096
 #: The deepest queue a report may claim: far beyond any real engine's look-ahead.
 MAX_QUEUE_DEPTH = 1_000_000
 
 
 class ExpertStat(BaseModel):
-    """One hosted expert of one layer, as its host measures it (EMAs)."""
+    """One hosted expert of one layer, as its host measures it (EMAs): activations per
+    second, compute seconds per routed token, the dispatch round trip, batches queued."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
-    layer: int = Field(ge=0, le=4096)
-    expert: int = Field(ge=0, le=65_535)
+    layer: int = Field(ge=0, le=MAX_LAYER)
+    expert: int = Field(ge=0, le=MAX_EXPERT_ID)
     rate: float = Field(ge=0, le=1e12, description="activations per second (EMA)")
-    compute_s: float = Field(ge=0, le=3600, description="seconds per dispatched batch (EMA)")
+    compute_s: float = Field(ge=0, le=3600, description="seconds per routed token (EMA)")
     network_s: float = Field(default=0.0, ge=0, le=3600, description="dispatch round trip")
     queue_depth: int = Field(default=0, ge=0, le=MAX_QUEUE_DEPTH)
     healthy: bool = True
