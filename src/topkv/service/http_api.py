@@ -7,7 +7,8 @@ Endpoints (full reference with bodies in ``docs/services.md``; schema at ``/open
 * ``GET /v1/workers``; ``POST /v1/workers``, ``PUT /v1/workers/{id}/heartbeat``,
   ``DELETE /v1/workers/{id}`` (registration for workers in other processes when the
   registry is embedded; with etcd workers register there directly);
-* ``GET /v1/topology``, ``GET /healthz``, ``GET /readyz``, ``GET /metrics``,
+* ``GET /v1/experts`` (MoE expert registry, filters ``expert``/``domain``/``worker``),
+  ``GET /v1/topology``, ``GET /healthz``, ``GET /readyz``, ``GET /metrics``,
   ``GET /openapi.json``.
 
 Transfers are executed by :class:`~topkv.service.remote_executor.RemoteExecutor`, which
@@ -80,6 +81,7 @@ from topkv.service.auth import (
     secured_app,
     warn_insecure,
 )
+from topkv.service.experts_api import ExpertsApi
 from topkv.service.httputil import (
     MAX_BODY_BYTES,
     count_param,
@@ -346,6 +348,7 @@ class OrchestratorService:
             Route("PUT", "/v1/workers/{worker_id}/heartbeat", self.heartbeat_worker, Access.WORKER),
             Route("DELETE", "/v1/workers/{worker_id}", self.deregister_worker, Access.WORKER),
             Route("GET", "/v1/topology", self.topology, Access.ADMIN),
+            *ExpertsApi(self.orchestrator.view, self.orchestrator.clock).routes(),
             Route("GET", "/v1/adp", adp_handler(self.adp), Access.ADMIN),
             Route("GET", "/v1/leader", self.leadership.leader, Access.PUBLIC),
             Route("GET", "/healthz", self.healthz, Access.PUBLIC),

@@ -171,6 +171,20 @@ def openapi_document() -> dict[str, Any]:
                 },
             },
         },
+        "/v1/experts": {
+            "get": {
+                "summary": "The MoE expert registry (fresh replicas, load factors, stragglers)",
+                "parameters": [
+                    {"name": "expert", "in": "query", "schema": {"type": "integer", "minimum": 0}},
+                    {"name": "domain", "in": "query", "schema": {"type": "string"}},
+                    {"name": "worker", "in": "query", "schema": {"type": "string"}},
+                ],
+                "responses": {
+                    "200": {"description": "expert replicas"},
+                    "400": _error("a filter out of range"),
+                },
+            }
+        },
         "/v1/topology": {
             "get": {
                 "summary": "Path candidates of every prefill -> decode pair",
