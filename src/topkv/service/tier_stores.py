@@ -26,6 +26,7 @@ import os
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -116,20 +117,25 @@ class MemoryTierStore:
             self._pacer.pace(started, nbytes)
 
     def read(
-        self, key: int, layout: KVLayout, crcs: Sequence[tuple[int, ...]]
+        self,
+        key: int,
+        layout: KVLayout,
+        crcs: Sequence[tuple[int, ...]],
+        out: memoryview | None = None,
     ) -> list[LayerTensors]:
-        """Fresh copies of every tensor (the caller's CRCs are not re-checked: memory)."""
+        """Copies of every tensor, in ``out`` (device memory the caller holds) or in fresh
+        memory; the caller's CRCs are not re-checked (memory, not a medium)."""
         started = time.perf_counter()
         with self._lock:
             found = self._blocks.get(key)
         if found is None:
             raise TierKVLost(f"tier {self.spec.name} holds no copy of request {key}")
         block, nbytes = found
-        out = bytearray(nbytes)
-        out[:] = self.arena.block_view(block, nbytes)
+        dst = memoryview(bytearray(nbytes)) if out is None else out[:nbytes]
+        dst[:] = self.arena.block_view(block, nbytes)
         if self._pacer is not None:
             self._pacer.pace(started, nbytes)
-        return _split(memoryview(out), layout)
+        return _split(dst, layout)
 
     def drop(self, key: int) -> None:
         with self._lock:
@@ -157,7 +163,9 @@ def _split(buf: memoryview, layout: KVLayout) -> list[LayerTensors]:
 
 
 def _aligned(nbytes: int) -> mmap.mmap:
-    return mmap.mmap(-1, max(_round_up(nbytes), PAGE))  # anonymous maps are page-aligned
+    """Page-aligned (anonymous maps are), populated up front (no fault per page later)."""
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+    return mmap.mmap(-1, max(_round_up(nbytes), PAGE), flags=flags)
 
 
 def probe_direct_io(directory: Path) -> str | None:
@@ -216,6 +224,11 @@ class DiskTierStore:
     @property
     def free_bytes(self) -> int:
         return self.spec.capacity_bytes - self.used_bytes
+
+    def file_bytes(self, key: int) -> int | None:
+        """Bytes of ``key``'s file (its frames, each padded to 4 KiB), if held."""
+        with self._lock:
+            return self._sizes.get(key)
 
     def path(self, key: int) -> Path:
         return self.directory / f"kv-{key}.topkv"
@@ -281,37 +294,57 @@ class DiskTierStore:
         return [b.cast("B") if b.format != "B" else b for b in frame.buffers]
 
     def _write_file(self, path: Path, frames: list[list[memoryview]]) -> None:
+        """Stage the frames into aligned chunks; a writer thread writes one chunk while the
+        next is filled (double buffering), so copying and the disk overlap."""
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | self._flags(), 0o600)
-        stage = _aligned(IO_CHUNK)
-        try:
-            fill = 0
-            for parts in frames:
-                for part in [*parts, memoryview(bytes(-sum(p.nbytes for p in parts) % PAGE))]:
-                    done = 0
-                    while done < part.nbytes:
-                        n = min(part.nbytes - done, IO_CHUNK - fill)
-                        stage[fill : fill + n] = part[done : done + n]
-                        fill, done = fill + n, done + n
-                        if fill == IO_CHUNK:
-                            _write_all(fd, memoryview(stage))
-                            fill = 0
-            if fill:
-                _write_all(fd, memoryview(stage)[:fill])
-            if not self.direct_io:
-                os.fsync(fd)
-        finally:
-            os.close(fd)  # the staging map goes with its last view (a failed write keeps one)
+        stages = [memoryview(_aligned(IO_CHUNK)), memoryview(_aligned(IO_CHUNK))]
+        pending: Future[None] | None = None
+        with ThreadPoolExecutor(1, thread_name_prefix="kv-disk-write") as writer:
+            try:
+                fill, current = 0, 0
+                for parts in frames:
+                    pad = memoryview(bytes(-sum(p.nbytes for p in parts) % PAGE))
+                    for part in [*parts, pad]:
+                        done = 0
+                        while done < part.nbytes:
+                            stage = stages[current]
+                            n = min(part.nbytes - done, IO_CHUNK - fill)
+                            stage[fill : fill + n] = part[done : done + n]
+                            fill, done = fill + n, done + n
+                            if fill == IO_CHUNK:
+                                if pending is not None:
+                                    pending.result()
+                                pending = writer.submit(_write_all, fd, stage)
+                                fill, current = 0, 1 - current
+                if pending is not None:
+                    pending.result()
+                    pending = None
+                if fill:
+                    _write_all(fd, stages[current][:fill])
+                if not self.direct_io:
+                    os.fsync(fd)
+            finally:
+                if pending is not None:
+                    with contextlib.suppress(OSError):
+                        pending.result()
+                os.close(fd)
 
     def read(
-        self, key: int, layout: KVLayout, crcs: Sequence[tuple[int, ...]]
+        self,
+        key: int,
+        layout: KVLayout,
+        crcs: Sequence[tuple[int, ...]],
+        out: mmap.mmap | None = None,
     ) -> list[LayerTensors]:
-        """Every layer read back and its frame's CRC-64 checked (and the caller's CRCs)."""
+        """Every layer read back and its frame's CRC-64 checked (and the caller's CRCs);
+        into ``out`` (page-aligned device memory of at least :meth:`file_bytes`) or fresh
+        memory. The tensors returned are views of it."""
         path = self.path(key)
         with self._lock:
             size = self._sizes.get(key)
         if size is None:
             raise TierKVLost(f"tier {self.spec.name} holds no copy of request {key}")
-        buf = _aligned(size)
+        buf = _aligned(size) if out is None or len(out) < size else out
         try:
             fd = os.open(path, os.O_RDONLY | self._flags())
         except FileNotFoundError:

@@ -1,0 +1,228 @@
+"""KV tier benchmark: each tier's put/get against the limit measured in the same run.
+
+* host tier (a pre-faulted arena; ``MemoryTierStore``) put and get of one KV cache vs one
+  ``memcpy`` of as many bytes between pre-faulted buffers (numpy ``copyto``);
+* disk tier (``DiskTierStore``: per-layer wire frames, CRC-64 checked on every read) write
+  and read vs raw direct I/O of as many bytes in the same directory (``O_DIRECT`` from an
+  aligned buffer, 8 MiB per call; ``dd oflag=direct`` / ``iflag=direct`` as well where dd
+  is installed), and whether direct I/O was possible there;
+* the peer: one safetensors file per request per layer, as vLLM's ExampleConnector stores
+  KV (``safetensors.numpy``), written and read back;
+* LMCache's CPU/disk backend only where ``import lmcache`` works (the report says why not).
+
+Runs are interleaved (limit, tier, limit, tier ...) and the medians reported. Not a test:
+figures depend on the machine, its disk and its load (printed with the figures).
+Usage: ``python benchmarks/tiers.py [--json] [--size BYTES] [--repeat N] [--dir DIR]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from topkv.policy.tiers import TierSpec
+from topkv.service.kvstore import HeldKV
+from topkv.service.tier_arena import Arena
+from topkv.service.tier_stores import DiskTierStore, MemoryTierStore
+from topkv.transport.base import KVLayout
+from topkv.wire import crc64
+
+CHUNK = 8 << 20
+
+
+def _kv(size: int) -> HeldKV:
+    """One KV cache of ``size`` bytes: 32 layers of K and V, random bytes, real CRC-64s."""
+    layers = 32
+    tensor = size // (2 * layers)
+    head_dim, heads = 128, 8
+    seq = tensor // (head_dim * heads * 2)
+    layout = KVLayout(layers, seq, heads, head_dim, "fp16")
+    data = np.random.default_rng(0).integers(0, 256, layout.total_bytes, dtype=np.uint8)
+    view = memoryview(data)
+    n = layout.tensor_bytes
+    tensors = [(view[(2 * i) * n : (2 * i + 1) * n], view[(2 * i + 1) * n : (2 * i + 2) * n])
+               for i in range(layers)]  # fmt: skip
+    crcs = [tuple(crc64(t) for t in layer) for layer in tensors]
+    return HeldKV(1, "bench", layout, tensors, crcs, origin="received")
+
+
+def _time(fn: Callable[[], object]) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+def _aligned(n: int) -> mmap.mmap:
+    buf = mmap.mmap(-1, -(-n // 4096) * 4096)
+    buf.write(b"\1" * len(buf))  # pre-fault
+    return buf
+
+
+def _raw_write(path: Path, buf: mmap.mmap, direct: bool) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0))
+    view = memoryview(buf)
+    try:
+        for off in range(0, len(buf), CHUNK):
+            os.write(fd, view[off : off + CHUNK])
+        if not direct:
+            os.fsync(fd)
+    finally:
+        view.release()
+        os.close(fd)
+
+
+def _raw_read(path: Path, buf: mmap.mmap, direct: bool) -> None:
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+    view = memoryview(buf)
+    try:
+        for off in range(0, len(buf), CHUNK):
+            os.readv(fd, [view[off : off + CHUNK]])
+    finally:
+        view.release()
+        os.close(fd)
+
+
+def _dd(path: Path, size: int) -> dict[str, float] | None:
+    """dd's own direct write and read of ``size`` bytes (seconds), if dd is here."""
+    if shutil.which("dd") is None:
+        return None
+    count = -(-size // CHUNK)
+    out = {}
+    for what, args in (
+        ("write_s", [f"of={path}", "if=/dev/zero", "oflag=direct"]),
+        ("read_s", [f"if={path}", "of=/dev/null", "iflag=direct"]),
+    ):
+        cmd = ["dd", *args, f"bs={CHUNK}", f"count={count}", "status=none"]
+        took = _time(lambda c=cmd: subprocess.run(c, check=True, capture_output=True))
+        out[what] = took
+    path.unlink(missing_ok=True)
+    return out
+
+
+def _safetensors_peer(kv: HeldKV, directory: Path, repeat: int) -> dict[str, Any]:
+    """vLLM ExampleConnector's layout: one safetensors file per request per layer."""
+    from safetensors.numpy import load_file, save_file
+
+    layers = [{"k": np.frombuffer(k, np.uint8), "v": np.frombuffer(v, np.uint8)}
+              for k, v in kv.layers]  # fmt: skip
+    writes, reads = [], []
+    for _ in range(repeat):
+        writes.append(_time(lambda: [save_file(t, str(directory / f"req1-layer{i}.safetensors"))
+                                     for i, t in enumerate(layers)]))  # fmt: skip
+        os.sync()
+        reads.append(_time(lambda: [load_file(str(directory / f"req1-layer{i}.safetensors"))
+                                    for i in range(len(layers))]))  # fmt: skip
+    for i in range(len(layers)):
+        (directory / f"req1-layer{i}.safetensors").unlink()
+    size = kv.layout.total_bytes
+    return {
+        "write_gbps": size / statistics.median(writes) / 1e9,
+        "read_gbps": size / statistics.median(reads) / 1e9,
+        "note": "page cache, no fsync, no checksum (as ExampleConnector)",
+    }
+
+
+def _lmcache() -> dict[str, Any]:
+    try:
+        import lmcache  # type: ignore[import-not-found]
+    except Exception as exc:  # ImportError, or its CUDA extension failing to load
+        return {"ran": False, "why": f"import lmcache failed: {type(exc).__name__}: {exc}"[:300]}
+    return {"ran": False, "why": f"lmcache {getattr(lmcache, '__version__', '?')} imports; "
+            "its CPU/disk backend needs a vLLM engine config, not driven here"}  # fmt: skip
+
+
+def run(size: int, repeat: int, directory: Path) -> dict[str, Any]:
+    kv = _kv(size)
+    nbytes = kv.layout.total_bytes
+    # host tier vs memcpy between pre-faulted buffers
+    src = np.frombuffer(bytearray(nbytes), np.uint8)
+    src[:] = 1
+    dst = np.ones(nbytes, np.uint8)
+    host = MemoryTierStore(
+        TierSpec("host", "host", nbytes + (1 << 20), 1e-7, 10.0), Arena(nbytes + (1 << 20))
+    )
+    device = memoryview(np.ones(nbytes, np.uint8))
+    memcpy, put, get = [], [], []
+    for _ in range(repeat):
+        memcpy.append(_time(lambda: np.copyto(dst, src)))
+        put.append(_time(lambda: host.write(1, kv.layers, kv.crcs, kv.layout)))
+        memcpy.append(_time(lambda: np.copyto(dst, src)))
+        get.append(_time(lambda: host.read(1, kv.layout, kv.crcs, out=device)))
+        host.drop(1)
+    host.close()
+    # disk tier vs raw direct I/O of as many bytes as the tier's file, same directory
+    disk = DiskTierStore(TierSpec("disk", "disk", 4 * nbytes, 20e-6, 1.0), directory)
+    disk.write(1, kv.layers, kv.crcs, kv.layout)
+    file_bytes = disk.file_bytes(1) or nbytes
+    disk.drop(1)
+    raw = _aligned(file_bytes)
+    into = _aligned(file_bytes)  # the device memory a promotion reads into
+    raw_path = directory / "raw-direct.bin"
+    raw_w, raw_r, dw, dr = [], [], [], []
+    for _ in range(repeat):
+        raw_w.append(_time(lambda: _raw_write(raw_path, raw, disk.direct_io)))
+        dw.append(_time(lambda: disk.write(1, kv.layers, kv.crcs, kv.layout)))
+        raw_r.append(_time(lambda: _raw_read(raw_path, raw, disk.direct_io)))
+        dr.append(_time(lambda: disk.read(1, kv.layout, kv.crcs, out=into)))
+        disk.drop(1)
+    raw_path.unlink(missing_ok=True)
+    dd = _dd(raw_path, file_bytes) if disk.direct_io else None
+    med = statistics.median
+    raw_bytes = file_bytes
+    return {
+        "size_bytes": nbytes,
+        "host_put_ratio": med(memcpy) / med(put),
+        "host_get_ratio": med(memcpy) / med(get),
+        "disk_write_ratio": med(raw_w) / med(dw),  # same bytes: a ratio of times
+        "disk_read_ratio": med(raw_r) / med(dr),
+        "direct_io": disk.direct_io,
+        "disk_io": disk.io_note,
+        "directory": str(directory),
+        "memcpy_gbps": nbytes / med(memcpy) / 1e9,
+        "host_put_gbps": nbytes / med(put) / 1e9,
+        "host_get_gbps": nbytes / med(get) / 1e9,
+        "raw_direct_write_gbps": raw_bytes / med(raw_w) / 1e9,
+        "raw_direct_read_gbps": raw_bytes / med(raw_r) / 1e9,
+        "disk_write_gbps": file_bytes / med(dw) / 1e9,
+        "disk_read_gbps": file_bytes / med(dr) / 1e9,
+        "disk_file_bytes": file_bytes,
+        "dd_direct_gbps": None
+        if dd is None
+        else {k.replace("_s", ""): raw_bytes / v / 1e9 for k, v in dd.items()},
+        "peer_safetensors_per_layer": _safetensors_peer(kv, directory, repeat),
+        "peer_lmcache": _lmcache(),
+        "repeat": repeat,
+        "load_avg_1m": os.getloadavg()[0],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--size", type=int, default=256 << 20, help="bytes of the KV cache")
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--dir", type=Path, default=None, help="disk tier directory")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(dir=args.dir, prefix="topkv-tiers-") as tmp:
+        report = run(args.size, args.repeat, Path(tmp))
+    if args.json:
+        print(json.dumps(report))
+        return
+    for key, value in report.items():
+        print(f"{key:28} {value}")
+
+
+if __name__ == "__main__":
+    main()
