@@ -109,13 +109,21 @@ class PrefillRunner:
         self.loaded = loaded
 
     def run(
-        self, input_ids: Sequence[int] | torch.Tensor, on_layer: LayerCallback
+        self,
+        input_ids: Sequence[int] | torch.Tensor,
+        on_layer: LayerCallback,
+        chunk_tokens: int | None = None,
     ) -> PrefillResult:
         """One forward pass over the prompt; ``on_layer`` fires once per layer, in order.
 
         Each call happens as soon as that layer has finished, before the next layer starts
         and before this method returns. The tensors passed are fresh copies the callee may
         keep. Returns the greedy first token and per-layer timings.
+
+        ``chunk_tokens``: chunked prefill (a converted decode worker, policy.adp): the
+        prompt goes through the model ``chunk_tokens`` at a time, each chunk attending to
+        the cache the earlier ones filled; a layer's K/V is whole, and published, in the
+        last chunk's pass (its timings are the last chunk's).
         """
         ids = as_input_ids(input_ids)
         check_token_ids(self.loaded, ids)
@@ -124,12 +132,17 @@ class PrefillRunner:
         starts: dict[int, float] = {}
         timings: list[LayerTiming] = []
         handles = []
+        step = ids.shape[1] if chunk_tokens is None else max(1, chunk_tokens)
+        chunks = [ids[:, i : i + step] for i in range(0, ids.shape[1], step)]
+        publishing = [len(chunks) == 1]
 
         def make_hooks(index: int) -> tuple[Callable[..., None], Callable[..., None]]:
             def before(_module: Any, _args: Any) -> None:
                 starts[index] = time.perf_counter()
 
             def after(_module: Any, _args: Any, _output: Any) -> None:
+                if not publishing[0]:
+                    return  # an earlier chunk: this layer's K/V is not whole yet
                 end = time.perf_counter()
                 layer = cache.layers[index]
                 if (
@@ -152,12 +165,14 @@ class PrefillRunner:
         try:
             with torch.inference_mode():
                 forward_start = time.perf_counter()
-                output = model(
-                    input_ids=ids.to(self.loaded.device),
-                    cache=cache,
-                    use_cache=True,
-                    logits_to_keep=1,
-                )
+                for number, chunk in enumerate(chunks):
+                    publishing[0] = number == len(chunks) - 1
+                    output = model(
+                        input_ids=chunk.to(self.loaded.device),
+                        cache=cache,
+                        use_cache=True,
+                        logits_to_keep=1,
+                    )
                 first_token = greedy_token(output.logits)
                 forward_end = time.perf_counter()
         finally:

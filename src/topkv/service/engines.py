@@ -78,6 +78,9 @@ class PrefillPlan:
     model_id: str
     layout: KVLayout
     prompt: tuple[int, ...] = ()
+    #: Chunked prefill (a converted decode worker): the model takes the prompt this many
+    #: tokens at a time; None: one pass. The synthetic engine computes nothing to chunk.
+    chunk_tokens: int | None = None
 
 
 class WorkerEngine(Protocol):
@@ -284,7 +287,7 @@ class HfEngine:
             publish(index, tensors, tuple(crc64(t) for t in tensors))
 
         with self._lock:
-            result = self._prefill.run(list(plan.prompt), on_layer)
+            result = self._prefill.run(list(plan.prompt), on_layer, plan.chunk_tokens)
         return int(result.first_token)
 
     def decode(self, kv: HeldKV, first_token: int, max_new_tokens: int) -> list[int]:

@@ -381,7 +381,7 @@ class WorkerService:
         request_id = int_param(request, "request_id")
         body = await read_model(request, PrefillRequest)
         assert self.engine is not None
-        plan = self.engine.plan(request_id, body)
+        plan = self.roles.chunk(self.engine.plan(request_id, body))  # converted: chunked
         self.store.reserve_check(request_id)
         kv = HeldKV.producing(request_id, plan.model_id, plan.layout)
         self.store.put(kv)

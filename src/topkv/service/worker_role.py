@@ -22,6 +22,7 @@ again is a no-op (``changed`` false).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Protocol
@@ -29,6 +30,7 @@ from typing import Protocol
 from aiohttp import web
 
 from topkv.relay.workers import Role, WorkerInfo
+from topkv.service.engines import PrefillPlan
 from topkv.service.httputil import error_response, model_response, read_model
 from topkv.service.kvstore import KVStore
 from topkv.service.messages import ChunkedPrefill, RoleAnswer, RoleRequest
@@ -86,6 +88,12 @@ class RoleSwitch:
         prefilled = sum(1 for kv in s.store.all() if kv.origin == "prefill")
         sending, receiving = s.transfers_in_flight()
         return Busy(sending, receiving, prefilled)
+
+    def chunk(self, plan: PrefillPlan) -> PrefillPlan:
+        """``plan`` as this worker runs it: chunked while it is a converted decode worker."""
+        if self.chunked is None:
+            return plan
+        return dataclasses.replace(plan, chunk_tokens=self.chunked.chunk_tokens)
 
     def held_decode(self) -> int:
         return sum(1 for kv in self._service.store.all() if kv.origin == "received")
