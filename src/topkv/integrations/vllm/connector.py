@@ -28,6 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.platforms import current_platform
 
+from topkv.errors import TopKVError
 from topkv.integrations.vllm.params import ConnectorSettings, shm_socket_path
 from topkv.integrations.vllm.registration import BackgroundRegistration
 from topkv.integrations.vllm.scheduler_side import SchedulerSide, StepPlan
@@ -95,6 +96,16 @@ class TopKVConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyp
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self.worker is not None
+        first = next(iter(kv_caches.values()))
+        if (
+            current_platform.is_cpu()
+            and first.dtype == torch.bfloat16
+            and torch.cpu._is_amx_tile_supported()
+        ):
+            raise TopKVError(
+                "TopKVConnector: vLLM's AMX kernel (bfloat16 on a CPU with AMX) packs KV pages "
+                "in a layout TopKV does not read yet; run with --dtype float32 or float16"
+            )
         self.worker.register(kv_caches)
         s = self.settings
         if s.registry_url:

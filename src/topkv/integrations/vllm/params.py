@@ -72,7 +72,6 @@ class ConnectorSettings:
     api_url: str  # the instance's OpenAI API, for the front door
     host_id: str
     load_timeout_s: float
-    corrupt_rate: float  # fault injection (tests, chaos): fraction of sends with a bit flipped
 
     @classmethod
     def from_extra(cls, config: Mapping[str, Any], kv_role: str) -> ConnectorSettings:
@@ -113,7 +112,6 @@ class ConnectorSettings:
             api_url=_str(config, "api_url"),
             host_id=_str(config, "host_id", socket.gethostname()),
             load_timeout_s=_number(config, "load_timeout_s", 30.0, 0.1),
-            corrupt_rate=_number(config, "corrupt_rate", 0.0, 0.0),
         )
 
 
@@ -135,6 +133,9 @@ def _topkv_part(params: Mapping[str, Any] | None, flag: str) -> Mapping[str, Any
 class SendParams:
     transfer_id: int
     destination: str
+    #: Fault injection (tests, chaos): "corrupt" flips one bit of one layer after its CRC-64
+    #: was taken, so the destination must catch it. It can only spoil this request's copy.
+    fault: str | None = None
 
     @classmethod
     def of(cls, params: Mapping[str, Any] | None) -> SendParams | None:
@@ -147,7 +148,10 @@ class SendParams:
                 "kv_transfer_params.topkv.destination must be shm://PATH or tcp://HOST:PORT, "
                 f"got {destination!r}"
             )
-        return cls(part["transfer_id"], destination)
+        fault = part.get("fault")
+        if fault not in (None, "corrupt"):
+            raise ConnectorConfigError(f"kv_transfer_params.topkv.fault {fault!r}: only 'corrupt'")
+        return cls(part["transfer_id"], destination, fault)
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ class SaveSpec:
     destination: str
     block_ids: tuple[int, ...]
     num_tokens: int
+    corrupt: bool = False  # fault injection: flip one bit of one layer after its CRC
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,7 @@ class SchedulerSide:
         self.block_size = block_size
         self.bytes_per_token = bytes_per_token  # all layers, K and V
         self._sends: dict[str, tuple[SendParams, int]] = {}  # admitted, not yet streamed
-        self._sent: set[str] = set()
+        self._sent: dict[str, tuple[int, int]] = {}  # streamed: transfer id, tokens
         self._pending_loads: dict[str, LoadSpec] = {}
         self._loads: dict[str, _Load] = {}
 
@@ -128,9 +129,16 @@ class SchedulerSide:
             if computed[req_id] + scheduled[req_id] < prompt:
                 continue  # a chunk of a longer prompt: stream once all of it is computed
             del self._sends[req_id]
-            self._sent.add(req_id)
+            self._sent[req_id] = (send.transfer_id, prompt)
             plan.saves.append(
-                SaveSpec(req_id, send.transfer_id, send.destination, tuple(blocks(req_id)), prompt)
+                SaveSpec(
+                    req_id,
+                    send.transfer_id,
+                    send.destination,
+                    tuple(blocks(req_id)),
+                    prompt,
+                    corrupt=send.fault == "corrupt",
+                )
             )
         return plan
 
@@ -138,9 +146,12 @@ class SchedulerSide:
         """(delay freeing the blocks?, kv_transfer_params for the response)."""
         req_id = request.request_id
         self._sends.pop(req_id, None)
-        if req_id in self._sent:
-            self._sent.discard(req_id)
-            return True, None  # freed once the worker reports the send settled
+        sent = self._sent.pop(req_id, None)
+        if sent is not None:  # freed once the worker reports the send settled
+            transfer_id, tokens = sent
+            return True, {
+                "topkv": {"transfer_id": transfer_id, "kv_bytes": tokens * self.bytes_per_token}
+            }
         load = self._loads.pop(req_id, None)
         if load is None:
             return False, None

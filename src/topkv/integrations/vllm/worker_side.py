@@ -105,17 +105,13 @@ class WorkerSide:
             self.sinks["shm"] = ShmSink(s.secret, path)
             log.info("topkv: decode sinks %s", [sink.address for sink in self.sinks.values()])
 
-    def _source(self, destination: str) -> TransferSource:
-        medium = destination.split(":", 1)[0]
+    def _source(self, spec: SaveSpec) -> TransferSource:
+        medium = spec.destination.split(":", 1)[0]
         if medium not in self._sources:
-            inner: TransferSource = (
-                ShmSource(self.settings.secret)
-                if medium == "shm"
-                else TcpSource(self.settings.secret)
-            )
-            if self.settings.corrupt_rate > 0:  # fault injection, on purpose
-                inner = CorruptingSource(inner, self.settings.corrupt_rate, seed=0)
-            self._sources[medium] = inner
+            secret = self.settings.secret
+            self._sources[medium] = ShmSource(secret) if medium == "shm" else TcpSource(secret)
+        if spec.corrupt:  # fault injection, asked for by this request
+            return CorruptingSource(self._sources[medium], 1.0, seed=spec.transfer_id)
         return self._sources[medium]
 
     # -- prefill --------------------------------------------------------------------------
@@ -132,7 +128,7 @@ class WorkerSide:
                 )
                 descriptor = TransferDescriptor(spec.transfer_id, self.model_id, layout)
                 try:
-                    out = self._source(spec.destination).open(descriptor, spec.destination)
+                    out = self._source(spec).open(descriptor, spec.destination)
                 except TopKVError as exc:
                     log.warning("topkv: cannot send %s: %s", spec.req_id, exc)
                     continue

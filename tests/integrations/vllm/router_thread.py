@@ -1,0 +1,31 @@
+"""The front door in a thread of the test process (its own event loop), for the tests."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from concurrent.futures import Future
+
+from topkv.integrations.vllm.router import RouterServer
+from topkv.service.auth import Credentials, ServerAuth
+
+
+class RouterThread:
+    def __init__(self, admin: str, worker: str, shm_dir: str) -> None:
+        auth = ServerAuth(Credentials.of(admin=[admin], worker=[worker]))
+        self.loop = asyncio.new_event_loop()
+        self.server = RouterServer(auth, shm_dir)
+        started: Future[str] = Future()
+        self._thread = threading.Thread(target=self._run, args=(started,), daemon=True)
+        self._thread.start()
+        self.url = started.result(30)
+
+    def _run(self, started: Future[str]) -> None:
+        asyncio.set_event_loop(self.loop)
+        started.set_result(self.loop.run_until_complete(self.server.serve()))
+        self.loop.run_forever()
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.server.close(), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(30)

@@ -1,0 +1,99 @@
+"""The front door without vLLM: authentication, the 503 with no instance registered, and
+the picker's choices (TopKV's routing policy over registered instances)."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+from router_thread import RouterThread
+
+from topkv.integrations.vllm.picker import NoInstance, Picker
+from topkv.relay.registry import MemoryRegistry
+from topkv.relay.workers import WorkerCapabilities, WorkerInfo
+
+ADMIN, WORKER = "tkv_admin_for_router_tests", "tkv_worker_for_router_tests"
+
+
+def _call(url: str, token: str | None, body: object = None) -> tuple[int, dict[str, object]]:
+    data = json.dumps(body).encode() if body is not None else None
+    headers = {"Content-Type": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, data, headers), timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+@pytest.fixture(scope="module")
+def router(tmp_path_factory: pytest.TempPathFactory) -> RouterThread:
+    thread = RouterThread(ADMIN, WORKER, str(tmp_path_factory.mktemp("shm")))
+    yield thread  # type: ignore[misc]
+    thread.close()
+
+
+def test_every_openai_endpoint_needs_the_admin_token(router: RouterThread) -> None:
+    body = {"model": "m", "prompt": "hi"}
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        assert _call(router.url + path, None, body)[0] == 401
+        assert _call(router.url + path, "tkv_wrong", body)[0] == 401
+        assert _call(router.url + path, WORKER, body)[0] == 403
+    assert _call(router.url + "/v1/models", None)[0] == 401
+
+
+def test_no_instance_registered_is_a_clear_503(router: RouterThread) -> None:
+    status, answer = _call(router.url + "/v1/completions", ADMIN, {"model": "m", "prompt": "x"})
+    assert status == 503
+    assert "no prefill instance is registered" in json.dumps(answer)
+    status, _ = _call(router.url + "/v1/models", ADMIN)
+    assert status == 503
+
+
+def test_bad_body_is_400(router: RouterThread) -> None:
+    assert _call(router.url + "/v1/completions", ADMIN, [1, 2])[0] == 400
+
+
+def _worker(worker_id: str, role: str, host: str, address: str = "") -> WorkerInfo:
+    return WorkerInfo(
+        worker_id=worker_id,
+        role=role,  # type: ignore[arg-type]
+        node=host,
+        host_id=host,
+        capabilities=WorkerCapabilities(media=("shm", "tcp")),
+        address=address,
+        control_url=f"http://{worker_id}",
+        capacity=2,
+    )
+
+
+def test_picker_prefers_shm_on_one_host_and_tcp_across() -> None:
+    registry = MemoryRegistry()
+    picker = Picker(registry, "/run/x")
+    with pytest.raises(NoInstance, match="prefill"):
+        picker.pick(1 << 20)
+    registry.register(_worker("p0", "prefill", "hostA"))
+    with pytest.raises(NoInstance, match="decode"):
+        picker.pick(1 << 20)
+    registry.register(_worker("far", "decode", "hostB", "tcp://10.0.0.2:7000"))
+    registry.register(_worker("near", "decode", "hostA", "tcp://127.0.0.1:7001"))
+
+    route = picker.pick(1 << 20)
+    assert (route.decode.worker_id, route.medium) == ("near", "shm")
+    assert route.destination == "shm:///run/x/topkv-vllm-near.sock"
+
+    route = picker.pick(1 << 20, exclude={"near"})
+    assert (route.decode.worker_id, route.medium, route.destination) == (
+        "far",
+        "tcp",
+        "tcp://10.0.0.2:7000",
+    )
+
+    picker.in_flight.update(["near", "near"])  # its capacity (2) is taken
+    assert picker.pick(1 << 20).decode.worker_id == "far"
+    picker.in_flight.update(["far", "far"])
+    with pytest.raises(NoInstance, match="full"):
+        picker.pick(1 << 20)
