@@ -45,8 +45,16 @@ from topkv.policy.select import CostFunction, TransportSelector, cost_function
 from topkv.policy.view import NO_LOAD, Endpoint, LinkLoad, TransferRequest
 
 STRATEGIES: tuple[str, ...] = ("cache-affinity", "expert-locality", "load-balance", "cost")
+#: Bytes per element of a dispatched hidden state (BF16, out and back).
+DISPATCH_DTYPE_BYTES = 2
 DEFAULT_STRATEGY = "cost"
 _TOLERANCE = 1e-9
+
+
+def dispatch_bytes_per_activation(hidden_size: int, dtype_bytes: int = DISPATCH_DTYPE_BYTES) -> int:
+    """What one activation moves: the token's hidden state to the expert and its output
+    back."""
+    return 2 * hidden_size * dtype_bytes
 
 
 @dataclass(frozen=True)

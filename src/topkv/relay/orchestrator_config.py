@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from topkv.errors import ConfigError
+from topkv.policy.moe import STRATEGIES as MOE_STRATEGIES
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,8 @@ class OrchestratorConfig:
     on_exhausted: Literal["fail", "recompute"] = "fail"
     chunks_per_layer: int = 1
     history: int = 10_000
+    #: The MoE router's strategy when decode workers report experts (docs/moe.md).
+    moe_router: str = "cost"
 
     def __post_init__(self) -> None:
         if self.max_in_flight < 1:
@@ -73,3 +76,7 @@ class OrchestratorConfig:
             raise ConfigError("every timeout must be > 0 s")
         if self.chunks_per_layer < 1:
             raise ConfigError("chunks_per_layer must be >= 1")
+        if self.moe_router not in MOE_STRATEGIES:
+            raise ConfigError(
+                f"moe_router {self.moe_router!r}: use one of {', '.join(MOE_STRATEGIES)}"
+            )

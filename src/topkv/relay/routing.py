@@ -12,6 +12,8 @@ from topkv.policy.route import RouteDecision, RouteScore, RoutingPolicy
 from topkv.policy.select import TransportSelector
 from topkv.policy.view import Endpoint, LinkLoad, LinkLoadTracker, PairView, TransferRequest
 from topkv.relay.context import RelayContext, RelayPart
+from topkv.relay.experts import ExpertRegistry
+from topkv.relay.moe_routing import MoEChooser
 from topkv.relay.pairs import CachingSelector
 from topkv.relay.runs import Exhausted, TransferRun
 from topkv.relay.transfers import FailureKind, TransferRecord, TransferState
@@ -54,6 +56,13 @@ class DecodeRouter(RelayPart):
             str,
             tuple[WorkerInfo, int, list[tuple[str, Endpoint]], dict[Endpoint, PairView]],
         ] = {}
+        # An MoE model's decode routing (relay.moe_routing), once decode workers report experts.
+        self.moe = MoEChooser(
+            ExpertRegistry.of(self.view, self.clock),
+            self.clock,
+            self.config.moe_router,
+            self.metrics.registry,
+        )
 
     def registry_changed(self) -> None:
         """Forget the routing costs (a registration changed)."""
@@ -93,6 +102,8 @@ class DecodeRouter(RelayPart):
         self, source: WorkerInfo, request: TransferRequest, excluded: set[str]
     ) -> RouteDecision | None:
         try:
+            if self.moe.experts.is_moe:
+                return self._choose_moe(source, request, excluded)
             if self._reuse_scores:
                 scores = self._route_scores(source, request)
                 return self.routing.choose_scored(
@@ -119,6 +130,33 @@ class DecodeRouter(RelayPart):
             )
         except PolicyError as exc:
             raise Exhausted(FailureKind.NO_DESTINATION, f"routing refused: {exc}") from exc
+
+    def _choose_moe(
+        self, source: WorkerInfo, request: TransferRequest, excluded: set[str]
+    ) -> RouteDecision | None:
+        by_endpoint = self._decoders_by_endpoint()
+
+        def lookup(src: Endpoint, dst: Endpoint) -> PairView:
+            # The KV's pair (source -> a decode worker), or a dispatch hop between two
+            # workers (a decode target -> an expert host).
+            src_info = source if src == self.slots.endpoint(source) else by_endpoint[src]
+            return self._pair_view(src_info, by_endpoint[dst])
+
+        def domain_of(worker_id: str) -> str | None:
+            info = self.view.get(worker_id)
+            return info.nvlink_domain if info is not None else None
+
+        return self.moe.choose(
+            self.slots.endpoint(source),
+            self.slots.views,
+            domain_of,
+            lookup,
+            request,
+            self.selector,
+            self.routing,
+            self.load.snapshot(),
+            excluded,
+        )
 
     def _decoders_by_endpoint(self) -> dict[Endpoint, WorkerInfo]:
         return {self.slots.endpoint(info): info for info in self.view.workers("decode")}

@@ -33,7 +33,13 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from topkv.policy.moe import STRATEGIES, MoERequest, MoERouter, MoETarget
+from topkv.policy.moe import (
+    STRATEGIES,
+    MoERequest,
+    MoERouter,
+    MoETarget,
+    dispatch_bytes_per_activation,
+)
 from topkv.policy.moe_experts import ExpertReplica, ExpertSnapshot
 from topkv.policy.pairs import gpu_port, nic_port
 from topkv.policy.route import DecodeWorkerView
@@ -43,7 +49,6 @@ from topkv.sim.compute import get_gpu
 from topkv.sim.errors import SimError
 from topkv.sim.links import Flow, SimLink
 from topkv.sim.moe_setup import (
-    DISPATCH_BYTES_PER_HIDDEN,
     EPGroup,
     ExpertSizes,
     ep_compute,
@@ -121,7 +126,7 @@ class MoESimulation(Simulation):
         self.options = options
         self.sizes = ExpertSizes.of(config.model)
         self.acts = self.sizes.per_token * self.sizes.moe_layers
-        self.dispatch_bytes = DISPATCH_BYTES_PER_HIDDEN * config.model.hidden_size
+        self.dispatch_bytes = dispatch_bytes_per_activation(config.model.hidden_size)
         self.profiles = load_profiles(self.sizes.experts)
         rng = np.random.default_rng(options.seed)
         self._profile = {

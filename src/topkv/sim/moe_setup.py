@@ -37,8 +37,6 @@ EXPERT_COUNTS = DATA_DIR / "moe_esft_expert_counts.csv"
 MOE_WEIGHT_BYTES = 1.0
 #: Share of an instance's memory the weights may take (the rest holds KV).
 WEIGHT_SHARE = 0.7
-#: Bytes one activation moves: the hidden state out and the expert's output back, BF16.
-DISPATCH_BYTES_PER_HIDDEN = 2 * 2
 
 
 @dataclass(frozen=True)
