@@ -6,8 +6,8 @@ import math
 from typing import Any
 
 import pytest
+from demo_results import result
 
-from topkv.demo.results import RequestResult
 from topkv.demo.workload import find_trace, load_requests
 from topkv.harness.sim_check import NEGLIGIBLE, Medians, compare, effects_agree, sim_check
 from topkv.harness.stand_in import Deployment
@@ -15,22 +15,7 @@ from topkv.harness.stand_in import Deployment
 REQUESTS = load_requests(find_trace(None), 12, seed=0, speedup=1.5)
 
 
-def _result(
-    rid: int, prompt_len: int, arrival_ms: float, error: str | None = None
-) -> RequestResult:
-    """A demo request's figures as a run reports them (0.45 ms of CPU prefill per token)."""
-    return RequestResult(
-        id=rid, transport="nvlink", medium="shm", prefill_worker="prefill0",
-        decode_worker="decode0", prompt_len=prompt_len, trace_prompt_tokens=prompt_len,
-        bytes=prompt_len * 12 * 2 * 2 * 64 * 4, arrival_ms=arrival_ms, queue_ms=1.0,
-        decode_ms=50.0, prefill_ms=0.45 * prompt_len, transfer_ms=0.45 * prompt_len,
-        exposed_ms=5.0, modelled_exposed_ms=5.0, serial_ms=70.0, ttft_ms=200.0,
-        uniform_rdma_exposed_ms=6.0, uniform_rdma_ttft_ms=201.0, tokens_identical=True,
-        emulated=True, dilation=40.0, error=error,
-    )  # fmt: skip
-
-
-RESULTS = [_result(r.rid, r.prompt_len, r.arrival_s * 1e3) for r in REQUESTS]
+RESULTS = [result(r.rid, r.prompt_len, r.arrival_s * 1e3) for r in REQUESTS]
 
 
 def _summary(topo: tuple[float, float], rdma: tuple[float, float]) -> dict[str, Any]:
@@ -116,7 +101,7 @@ def test_without_pipelining_topology_matters_on_the_stand_in() -> None:
 
 
 def test_no_completed_request_is_no_check() -> None:
-    failed = [_result(0, 128, 0.0, error="timed out")]
+    failed = [result(0, 128, 0.0, error="timed out")]
     check = sim_check(Deployment.parse("Llama-3-70B"), failed, _summary((1, 1), (1, 1)),
                       pipelining=True, decode_slots=2, new_tokens=8)  # fmt: skip
     assert check["agree"] is False and check["requests"] == 0 and "error" in check
