@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from topkv.demo.emulation import DemoLinks, StandIn, derived_factor, resolve_dilation
@@ -123,3 +125,16 @@ def test_pcie_only_stand_in_shares_nics_and_pairs_across_nodes() -> None:
 def test_bad_stand_ins_are_named(text: str, match: str) -> None:
     with pytest.raises(StandInError, match=match):
         Deployment.parse(text)
+
+
+def test_one_nic_per_node_is_contention_the_dilation_carries() -> None:
+    one_nic = Path(__file__).parent / "clusters" / "4x-dgx-h100-1nic.yaml"
+    lengths = [380, 1024]
+    shared = Deployment.parse(f"Llama-3-70B@{one_nic}").stand_in(lengths)
+    own = Deployment.parse(DEFAULT_STAND_IN).stand_in(lengths)
+    # the 4 shards of an instance share one 25 GB/s NIC: 6.25 GB/s each
+    assert shared.cross_node_bytes_per_s == 6.25e9
+    assert shared.kv_bytes_per_prefill_s == own.kv_bytes_per_prefill_s
+    assert derived_factor(shared, DEMO_RATE, LINKS) == pytest.approx(
+        4 * derived_factor(own, DEMO_RATE, LINKS)
+    )
