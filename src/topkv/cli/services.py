@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -242,6 +243,11 @@ def worker_command(
     engine: str = typer.Option("synthetic", help=ENGINE_HELP),
     model_path: Path | None = typer.Option(None, help="--engine hf: a local HF model directory"),
     demo_model: int | None = typer.Option(None, help="--engine hf: the seeded demo model"),
+    demo_moe_experts: int = typer.Option(
+        0,
+        help="--demo-model: N >= 2 makes it the Mixtral-style MoE demo with N experts (top-2); "
+        "the worker then reports expert statistics (docs/moe.md)",
+    ),
     torch_threads: int = typer.Option(0, help="--engine hf: torch threads (0: torch's default)"),
     media: str = typer.Option("", help=MEDIA_HELP),
     token_file: Path | None = token_file_option(
@@ -276,6 +282,8 @@ def worker_command(
         raise ConfigError(f"--role must be prefill or decode, not {role!r}")
     apply_etcd_env(registry, etcd_env(etcd_user, etcd_password_file, etcd_ca, etcd_cert, etcd_key))
     engine_spec = _engine_spec(engine, model_path, demo_model, torch_threads)
+    if demo_moe_experts:
+        engine_spec = dataclasses.replace(engine_spec, demo_experts=demo_moe_experts)
     offered = parse_media(media)
     resolve_media(offered, shm=shm)  # exits 2 naming a medium this host lacks
     if secret_file is not None:

@@ -117,6 +117,10 @@ class EngineSpec:
     demo_seed: int | None = None
     demo_config: DemoModelConfig | None = None
     torch_threads: int = 0
+    #: With ``demo_seed``: 0 builds the Llama demo; N >= 2 the Mixtral-architecture MoE demo
+    #: with N experts, top-2 (:func:`topkv.engine.moe.build_demo_moe_model`), whose workers
+    #: report expert statistics in their heartbeats.
+    demo_experts: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in ("synthetic", "hf"):
@@ -130,6 +134,8 @@ class EngineSpec:
             )
         if self.torch_threads < 0:
             raise ConfigError(f"--torch-threads must be >= 0, got {self.torch_threads}")
+        if self.demo_experts and (self.demo_seed is None or self.demo_experts < 2):
+            raise ConfigError("an MoE demo needs --demo-model SEED and at least 2 experts")
 
     def cli_args(self) -> list[str]:
         """The ``topkv worker`` flags that select this engine."""
@@ -138,6 +144,8 @@ class EngineSpec:
             args += ["--model-path", str(self.model_path)]
         if self.demo_seed is not None:
             args += ["--demo-model", str(self.demo_seed)]
+        if self.demo_experts:
+            args += ["--demo-moe-experts", str(self.demo_experts)]
         if self.torch_threads:
             args += ["--torch-threads", str(self.torch_threads)]
         return args
@@ -217,6 +225,10 @@ class HfEngine:
         self._prefill = engine.PrefillRunner(loaded)
         self._decode = engine.DecodeRunner(loaded)
         self._lock = threading.Lock()  # one forward pass at a time (hooks are per model)
+        from topkv.engine.moe import ExpertRecorder, moe_shape
+
+        #: An MoE model's per-expert statistics (service.engine_experts reports them).
+        self.experts = ExpertRecorder(loaded) if moe_shape(loaded) is not None else None
 
     @classmethod
     def build(cls, spec: EngineSpec) -> HfEngine:
@@ -232,7 +244,12 @@ class HfEngine:
         else:
             assert spec.demo_seed is not None
             config = spec.demo_config if spec.demo_config is not None else engine.DemoModelConfig()
-            loaded = engine.build_demo_model(config, spec.demo_seed)
+            if spec.demo_experts:
+                from topkv.engine.moe import build_demo_moe_model
+
+                loaded = build_demo_moe_model(config, spec.demo_seed, spec.demo_experts)
+            else:
+                loaded = engine.build_demo_model(config, spec.demo_seed)
         return cls(loaded, spec.torch_threads)
 
     def describe(self) -> dict[str, object]:

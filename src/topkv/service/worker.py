@@ -44,6 +44,7 @@ from aiohttp import web
 
 from topkv.relay.workers import WorkerInfo
 from topkv.service.auth import Access, Route, secured_app, warn_insecure
+from topkv.service.engine_experts import renew
 from topkv.service.engines import (
     EngineRequestError,
     PrefillPlan,
@@ -293,7 +294,7 @@ class WorkerService:
         while True:
             await asyncio.sleep(interval)
             try:
-                await self._registrar.heartbeat()
+                self.info = await renew(self._registrar, self.info, self.engine, self.config.ttl_s)
             except ServiceError as exc:
                 log.warning("heartbeat failed (%s); registering again", exc)
                 with contextlib.suppress(ServiceError):
