@@ -14,13 +14,17 @@ LINKS = DemoLinks("nvlink", 450e9, "rdma", 25e9)
 STAND_IN = StandIn("Llama-3-70B", "4x-dgx-h100", 4, 4.43e9, 25e9, "nvlink", 450e9)
 
 
-def _summary(dilation: float | None, exposed: float, modelled: float) -> dict[str, object]:
+def _summary(
+    dilation: float | None, exposed: float, modelled: float, warm_up_rate: float = 27e6
+) -> dict[str, object]:
     results = [
         result(k, 380, 100.0 * k, exposed_ms=exposed, modelled_exposed_ms=modelled)
         for k in range(3)
     ]
     options = DemoOptions(requests=3, dilation=dilation)
-    return summarize(results, options, 12.0, "m", resolve_dilation(dilation, STAND_IN, 27e6, LINKS))
+    return summarize(
+        results, options, 12.0, "m", resolve_dilation(dilation, STAND_IN, warm_up_rate, LINKS)
+    )
 
 
 def test_emulation_keys_and_types() -> None:
@@ -67,3 +71,11 @@ def test_sim_check_lines_in_the_text() -> None:
     text = summary_text(summary).plain
     assert "sim check (4x-dgx-h100 (demo-shaped), stand-in ms)" in text
     assert "demo vs sim" in text and ("AGREE" in text or "DISAGREE" in text)
+
+
+def test_a_host_slower_in_the_run_than_in_the_warm_up_is_named() -> None:
+    assert "in the warm-up" not in summary_text(_summary(None, 5.0, 5.0)).plain
+    text = summary_text(_summary(None, 5.0, 5.0, warm_up_rate=81e6)).plain
+    # the run made 27.3 MB/s, the warm-up 81: links were 3x too slow for the stand-in
+    assert "27.3 MB of KV per second in the run, 81.0 in the warm-up" in text
+    assert "was 3x the one the dilation was set for" in text

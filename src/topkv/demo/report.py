@@ -265,9 +265,24 @@ def summary_text(summary: dict[str, Any]) -> Text:
         f"emulated links: time dilation {emulation['dilation']:g}x; wall time "
         f"{summary['wall_s']:.1f} s",
         f"  {emulation['dilation_note']}",
+        *_drift_lines(emulation),
         *_sim_check_lines(summary.get("sim_check")),
     ]
     return Text("\n".join(lines))
+
+
+def _drift_lines(emulation: dict[str, Any]) -> list[str]:
+    """A host whose prefill ran at another speed in the run than in the warm-up (other
+    load) had another link-to-compute ratio than the one the dilation was set for."""
+    warm = emulation["demo_kv_bytes_per_prefill_s"]
+    in_run = emulation["derivation"]["demo_kv_bytes_per_prefill_s_in_run"]
+    if not (in_run and warm) or abs(math.log(in_run / warm)) <= math.log(1.25):
+        return []
+    return [
+        f"  prefill made {in_run / 1e6:.1f} MB of KV per second in the run, "
+        f"{warm / 1e6:.1f} in the warm-up: link time over prefill time was "
+        f"{warm / in_run:.2g}x the one the dilation was set for"
+    ]
 
 
 def _sim_check_lines(check: dict[str, Any] | None) -> list[str]:
