@@ -21,7 +21,7 @@ import os
 import secrets
 import socket
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from topkv.errors import ConfigError, TopKVError
 
@@ -34,8 +34,7 @@ class LeaderElectionError(TopKVError):
     """A backend call failed (unreachable, refused, conflict); the election loop retries."""
 
 
-@dataclass(frozen=True)
-class Candidate:
+class Candidate(NamedTuple):
     """Who campaigns: a unique identity and the URL clients are sent to when it leads."""
 
     identity: str

@@ -43,11 +43,8 @@ class LeaderElection:
         on_change: LeadershipCallback | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.backend = backend
-        self.candidate = candidate
-        self.timing = timing
-        self._on_change = on_change
-        self._clock = clock
+        self.backend, self.candidate, self.timing = backend, candidate, timing
+        self._on_change, self._clock = on_change, clock
         self._record = LeaderRecord(holder=None, address=None, epoch=0)
         self._valid_until = 0.0  # acting until then (the last renewal's start + deadline)
         self._leading = False

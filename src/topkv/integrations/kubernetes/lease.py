@@ -57,17 +57,12 @@ class KubernetesLeaseBackend:
         *,
         name: str = DEFAULT_LEASE_NAME,
         clock: Callable[[], float] = time.monotonic,
-        wall: Callable[[], dt.datetime] = _utcnow,
     ) -> None:
-        self._client = client
-        self.namespace = namespace
-        self.name = name
-        self._timing = timing
-        self._clock = clock
-        self._wall = wall
+        """``clock``: the local monotonic clock that judges expiry (client-go's rule)."""
+        self.namespace, self.name = namespace, name
+        self._client, self._timing, self._clock = client, timing, clock
         self._observed: tuple[str, ...] | None = None  # the record last seen ...
         self._observed_at = 0.0  # ... and when (local monotonic clock)
-        self._epoch = 0
 
     @classmethod
     def in_cluster(cls, namespace: str | None, timing: ElectionTiming) -> KubernetesLeaseBackend:
@@ -98,7 +93,7 @@ class KubernetesLeaseBackend:
         lease = self._call("reading", lambda: self._get())
         if lease is None:
             self._call("creating", lambda: self._client.create(self._fresh(candidate, 0)))
-            return self._record_of(candidate.identity, candidate.address, 0)
+            return LeaderRecord(candidate.identity, candidate.address, 0)
         spec = lease.spec or LeaseSpec()
         holder = spec.holderIdentity or None
         epoch = spec.leaseTransitions or 0
@@ -107,14 +102,14 @@ class KubernetesLeaseBackend:
         )
         self._observe(spec)
         if holder is not None and holder != candidate.identity and not self._expired(spec):
-            return self._record_of(holder, address, epoch)
+            return LeaderRecord(holder, address, epoch)
         if holder != candidate.identity:
             epoch += 1  # a new holder: one more transition
-            spec.acquireTime = self._wall()
+            spec.acquireTime = _utcnow()
         spec.holderIdentity = candidate.identity
         spec.leaseDurationSeconds = max(1, round(self._timing.lease_s))
         spec.leaseTransitions = epoch
-        spec.renewTime = self._wall()
+        spec.renewTime = _utcnow()
         if spec.acquireTime is None:
             spec.acquireTime = spec.renewTime
         lease.spec = spec
@@ -124,7 +119,7 @@ class KubernetesLeaseBackend:
         lease.metadata.annotations = annotations
         self._call("updating", lambda: self._client.replace(lease))  # 409 on a stale version
         self._observe(spec)
-        return self._record_of(candidate.identity, candidate.address, epoch)
+        return LeaderRecord(candidate.identity, candidate.address, epoch)
 
     def release(self, candidate: Candidate) -> None:
         """client-go's ReleaseOnCancel: empty the holder, keep the transitions."""
@@ -133,7 +128,7 @@ class KubernetesLeaseBackend:
             return
         lease.spec.holderIdentity = None
         lease.spec.leaseDurationSeconds = 1
-        lease.spec.renewTime = self._wall()
+        lease.spec.renewTime = _utcnow()
         self._call("releasing", lambda: self._client.replace(lease))
 
     def close(self) -> None:
@@ -150,7 +145,7 @@ class KubernetesLeaseBackend:
             raise
 
     def _fresh(self, candidate: Candidate, epoch: int) -> Lease:
-        now = self._wall()
+        now = _utcnow()
         return Lease(
             metadata=ObjectMeta(
                 name=self.name,
@@ -185,11 +180,7 @@ class KubernetesLeaseBackend:
             return True
         if renewed.tzinfo is None:
             renewed = renewed.replace(tzinfo=dt.UTC)
-        return (self._wall() - renewed).total_seconds() > 2 * duration
-
-    def _record_of(self, holder: str, address: str | None, epoch: int) -> LeaderRecord:
-        self._epoch = max(self._epoch, epoch)
-        return LeaderRecord(holder=holder, address=address, epoch=epoch)
+        return (_utcnow() - renewed).total_seconds() > 2 * duration
 
     def _call(self, action: str, fn: Callable[[], T]) -> T:
         try:

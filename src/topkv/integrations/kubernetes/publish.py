@@ -18,9 +18,13 @@ from lightkube.types import PatchType
 
 from topkv.errors import TopKVError
 from topkv.integrations.kubernetes.labels import LabelPatch
+from topkv.relay.orchestrator_config import RetryPolicy
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+Sleep = Callable[[float], None]
+#: 4 tries, 0.5 / 1 / 2 s apart.
+PUBLISH_RETRY = RetryPolicy(max_retries=3, backoff_s=0.5)
 
 _HINTS = {
     403: "forbidden: the service account needs get and patch on nodes "
@@ -39,17 +43,10 @@ class NodePublisher:
     """Labels one Node through ``client``; see the module docstring."""
 
     def __init__(
-        self,
-        client: Client,
-        *,
-        attempts: int = 4,
-        backoff_s: float = 0.5,
-        sleep: Callable[[float], None] = time.sleep,
+        self, client: Client, retry: RetryPolicy = PUBLISH_RETRY, sleep: Sleep = time.sleep
     ) -> None:
-        self._client = client
-        self._attempts = attempts
-        self._backoff_s = backoff_s
-        self._sleep = sleep
+        """``retry``: ``max_retries`` more tries after a failure, ``delay(n)`` before each."""
+        self._client, self._retry, self._sleep = client, retry, sleep
 
     def current_labels(self, node: str) -> dict[str, str]:
         found = self._retried(
@@ -69,8 +66,8 @@ class NodePublisher:
         return body
 
     def _retried(self, action: str, call: Callable[[], T]) -> T:
-        delay = self._backoff_s
-        for attempt in range(1, self._attempts + 1):
+        attempts = self._retry.max_retries + 1
+        for attempt in range(1, attempts + 1):
             try:
                 return call()
             except ApiError as exc:
@@ -80,16 +77,16 @@ class NodePublisher:
                     raise PublishError(f"{action} failed: {why}") from None
             except httpx2.HTTPError as exc:
                 why = f"{exc.__class__.__name__}: {exc}"
-            if attempt == self._attempts:
-                raise PublishError(f"{action} failed {attempt} times; last: {why}")
+            if attempt == attempts:
+                break
+            delay = self._retry.delay(attempt)
             log.warning(
                 "%s failed (attempt %d of %d): %s; retrying in %.1f s",
                 action,
                 attempt,
-                self._attempts,
+                attempts,
                 why,
                 delay,
             )
             self._sleep(delay)
-            delay *= 2
-        raise AssertionError("unreachable")
+        raise PublishError(f"{action} failed {attempts} times; last: {why}")
