@@ -37,7 +37,7 @@ from topkv.integrations.vllm.picker import NoInstance, Picker, Route
 from topkv.relay.registry import MemoryRegistry
 from topkv.service.auth import Access, ServerAuth, secured_app
 from topkv.service.auth import Route as ApiRoute
-from topkv.service.httputil import error_response, site_url
+from topkv.service.httputil import site_url
 from topkv.service.registrations import Registrations
 
 log = logging.getLogger(__name__)
@@ -243,6 +243,13 @@ class Router:
             self.metrics.kv_bytes.labels("verified").inc(part["kv_bytes"])
         if part.get("recomputed"):
             self.metrics.recomputed.inc()
+
+
+def error_response(status: int, kind: str, detail: str) -> web.Response:
+    """TopKV's error shape (``kind``, ``type``, ``detail``) plus OpenAI's ``message`` and
+    ``code``, so the openai client shows the reason."""
+    error = {"kind": kind, "type": kind, "detail": detail, "message": detail, "code": status}
+    return web.json_response({"error": error}, status=status)
 
 
 def _topkv_params(answer: bytes) -> dict[str, Any] | None:
