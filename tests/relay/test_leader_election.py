@@ -121,3 +121,14 @@ def test_a_crashed_leader_is_replaced_within_the_lease(etcd_url: str) -> None:
             a.backend.close()
 
     asyncio.run(main())
+
+
+def test_leader_election_needs_a_shared_registry() -> None:
+    from topkv.service.http_api import OrchestratorServiceConfig
+    from topkv.service.leadership import LeaderElectConfig
+
+    backend = EtcdLeaderBackend(parse_etcd_url("etcd://127.0.0.1:1"), LEASE_S)
+    elect = LeaderElectConfig(backend=backend, identity="a")
+    with pytest.raises(ConfigError, match="--leader-elect needs a registry the orchestrators"):
+        OrchestratorServiceConfig(auth=None, leader_elect=elect)
+    backend.close()

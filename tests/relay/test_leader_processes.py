@@ -225,6 +225,12 @@ def test_two_orchestrators_one_leader_follower_503_and_sigkill_takeover(
                 assert accepted.status == 202
                 assert await _delivered(http, group.orchs[leader].url, 1, 20)
                 assert cluster.workers["p0"].fence.highest == epoch
+                control = cluster.info("p0").control_url
+                for bad in ("abc", "-1", "\u0661\u0662", "9" * 20):
+                    async with http.get(f"{control}/v1/kv", headers={EPOCH_HEADER: bad}) as r:
+                        assert r.status == 400, bad
+                        assert EPOCH_HEADER in (await r.json())["error"]["detail"]
+                assert cluster.workers["p0"].fence.highest == epoch  # bad input changes nothing
 
                 group.kill(leader)
                 killed_at = time.monotonic()
