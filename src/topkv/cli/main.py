@@ -28,6 +28,7 @@ COMMAND_MODULES: list[str] = [
     "sim_validate",
     "token",
     "label_node",
+    "router",
 ]
 
 _typer_app = typer.Typer(

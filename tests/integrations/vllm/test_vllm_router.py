@@ -4,8 +4,13 @@ the picker's choices (TopKV's routing policy over registered instances)."""
 from __future__ import annotations
 
 import json
+import re
+import signal
+import subprocess
+import sys
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 from router_thread import RouterThread
@@ -97,3 +102,27 @@ def test_picker_prefers_shm_on_one_host_and_tcp_across() -> None:
     picker.in_flight.update(["far", "far"])
     with pytest.raises(NoInstance, match="full"):
         picker.pick(1 << 20)
+
+
+def test_topkv_router_command_serves_until_interrupted(tmp_path: Path) -> None:
+    topkv = str(Path(sys.executable).with_name("topkv"))
+    refused = subprocess.run([topkv, "router", "--port", "0"], capture_output=True, text=True)
+    assert refused.returncode == 2 and "admin token" in refused.stderr
+    (tmp_path / "admin").write_text(ADMIN)
+    (tmp_path / "admin").chmod(0o600)
+    process = subprocess.Popen(
+        [topkv, "router", "--port", "0", "--token-file", str(tmp_path / "admin")],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert process.stderr is not None
+        line = process.stderr.readline()
+        url = re.search(r"on (http://\S+)", line)
+        assert url, line
+        assert _call(url.group(1) + "/v1/completions", None, {"prompt": "x"})[0] == 401
+        assert _call(url.group(1) + "/v1/completions", ADMIN, {"prompt": "x"})[0] == 503
+        process.send_signal(signal.SIGINT)
+        assert process.wait(20) == 0
+    finally:
+        process.kill()
