@@ -6,11 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import json
 import logging
 import os
 import secrets
+import subprocess
+import sys
 import time
+import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -226,3 +231,51 @@ def test_against_a_real_cluster() -> None:
         assert b.try_acquire_or_renew(B).holder == "orch-b"
     finally:
         client.delete(Lease, name, namespace=namespace)
+
+
+@pytest.mark.etcd
+def test_orchestrator_process_leads_through_the_lease(standin: ApiStandIn, tmp_path: Path) -> None:
+    """``topkv orchestrator --leader-elect k8s`` end to end: credentials and namespace from
+    $KUBECONFIG (pointing at the stand-in), the Lease taken, ``/v1/leader`` saying so."""
+    from etcd_servers import start_etcd, stop_etcd
+
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        "apiVersion: v1\nkind: Config\ncurrent-context: c\n"
+        f"clusters: [{{name: s, cluster: {{server: '{standin.url}'}}}}]\n"
+        "users: [{name: u, user: {token: stand-in}}]\n"
+        f"contexts: [{{name: c, context: {{cluster: s, user: u, namespace: {NS}}}}}]\n"
+    )
+    etcd = start_etcd(tmp_path, "lease-etcd")
+    ready = tmp_path / "ready.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TOPKV_")}
+    proc = subprocess.Popen(
+        [
+            *(sys.executable, "-c", "from topkv.cli.main import app; app()", "orchestrator"),
+            *("--port", "0", "--insecure-no-auth", "--ready-file", str(ready)),
+            *("--registry", f"etcd://127.0.0.1:{etcd.port}", "--leader-elect", "k8s"),
+            *("--lease-seconds", "2"),
+        ],
+        env={**env, "KUBECONFIG": str(kubeconfig), "POD_NAME": "orch-pod-0"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        view: dict[str, object] = {}
+        while not view.get("acting"):
+            assert time.monotonic() < deadline and proc.poll() is None, view
+            time.sleep(0.1)
+            if ready.exists():
+                url = json.loads(ready.read_text())["url"]
+                with urllib.request.urlopen(f"{url}/v1/leader", timeout=2) as answer:
+                    view = json.loads(answer.read())
+        assert str(view["self"]).startswith("orch-pod-0-") and view["leader"] == view["self"]
+        assert _spec(standin)["holderIdentity"] == view["self"]
+        lease = standin.leases[(NS, DEFAULT_LEASE_NAME)]
+        assert lease["metadata"]["annotations"][ADDRESS_ANNOTATION] == url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+        stop_etcd(etcd)
+    assert _spec(standin).get("holderIdentity") is None  # SIGTERM released the Lease
