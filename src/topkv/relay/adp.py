@@ -77,6 +77,10 @@ class ConversionFailed(TopKVError):
     """A conversion did not finish (the worker refused, died or never re-registered)."""
 
 
+#: The keys of one conversion in :meth:`LiveAdaptivePool.report` (``Conversion.to_json``).
+REPORT_KEYS = ("worker", "from", "to", "at_ms", "duration_ms")
+
+
 @dataclass(frozen=True)
 class Conversion:
     """One conversion: which worker, which way, when (ms since the pool's origin), how long."""
@@ -99,13 +103,8 @@ class Conversion:
 
     def to_json(self) -> dict[str, object]:
         """``{"worker", "from", "to", "at_ms", "duration_ms"}`` (the demo's contract)."""
-        return {
-            "worker": self.worker,
-            "from": self.from_role,
-            "to": self.to_role,
-            "at_ms": self.at_ms,
-            "duration_ms": self.duration_ms,
-        }
+        values = (self.worker, self.from_role, self.to_role, self.at_ms, self.duration_ms)
+        return dict(zip(REPORT_KEYS, values, strict=True))
 
 
 class LiveAdaptivePool:

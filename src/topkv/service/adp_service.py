@@ -15,6 +15,7 @@ started.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
@@ -86,17 +87,7 @@ class ServiceADP:
             in_rush=self.pool.in_rush,
             stages=dict(self.pool.stage),
             conversions=[
-                ConversionView(
-                    worker=c.worker,
-                    from_role=c.from_role,
-                    to_role=c.to_role,
-                    at_ms=c.at_ms,
-                    duration_ms=c.duration_ms,
-                    fenced_ms=c.fenced_ms,
-                    worker_ms=c.worker_ms,
-                    detail=c.detail,
-                )
-                for c in self.pool.conversions
+                ConversionView.model_validate(dataclasses.asdict(c)) for c in self.pool.conversions
             ],
             rush_periods=self.pool.rush_periods_ms(),
         )
