@@ -10,10 +10,11 @@ the same model in any process.
 model (``mlp.gate`` returning ``(logits, scores, indices)``, ``mlp.experts``):
 
 * activations: the router's top-k indices, counted per ``(layer, expert)``;
-* compute latency: the expert block's wall time per pass, apportioned to the experts by
-  the tokens each received (transformers runs the experts one after another in one module,
-  so the block's time is what is measured and the share is the apportioning), per token
-  routed to it; an expert that got no token keeps its last figure;
+* compute latency: the expert block's wall time per routed token, per layer (transformers
+  runs a layer's experts one after another inside one module, so the block is what can be
+  timed: every expert of the layer that has been routed to carries the layer's figure; one
+  that never was reports 0, no measurement). The first pass of each layer is left out
+  (it warms the model up: allocations, first-touch pages);
 * both as EMAs (``alpha`` 0.3: a step change shows 66% after 3 passes, 97% after 10), the
   rate as activations per second between two :meth:`ExpertRecorder.stats` calls.
 
@@ -117,7 +118,8 @@ class ExpertRecorder:
         self._pending = torch.zeros((self.layers, self.experts), dtype=torch.long)
         self._total = torch.zeros((self.layers, self.experts), dtype=torch.long)
         self._rate = torch.zeros((self.layers, self.experts), dtype=torch.float64)
-        self._compute = torch.zeros((self.layers, self.experts), dtype=torch.float64)
+        self._compute = [0.0] * self.layers
+        self._passes = [0] * self.layers
         self._since = clock()
         self._reports = 0
         self._block_start: dict[int, float] = {}
@@ -156,14 +158,13 @@ class ExpertRecorder:
             with self._lock:
                 self._pending[index] += counts
                 self._total[index] += counts
-                if routed:
-                    hit = counts > 0
-                    # Each routed token's share of the block's time (module docstring).
+                self._passes[index] += 1
+                if routed and self._passes[index] > 1:  # the first pass warms the model up
                     per_token = elapsed / routed
                     old = self._compute[index]
-                    seeded = torch.where(old > 0, old, torch.full_like(old, per_token))
-                    new = (1 - self.alpha) * seeded + self.alpha * per_token
-                    self._compute[index] = torch.where(hit, new, old)
+                    self._compute[index] = (
+                        per_token if old <= 0 else (1 - self.alpha) * old + self.alpha * per_token
+                    )
 
         return hook
 
@@ -182,7 +183,7 @@ class ExpertRecorder:
                     layer,
                     expert,
                     float(self._rate[layer, expert]),
-                    float(self._compute[layer, expert]),
+                    self._compute[layer] if self._total[layer, expert] > 0 else 0.0,
                     int(self._total[layer, expert]),
                 )
                 for layer in range(self.layers)

@@ -62,6 +62,7 @@ class WorkerSpec:
     faults: WorkerFaults = field(default_factory=WorkerFaults)
     media: tuple[str, ...] = ("tcp", "shm")
     engine: EngineSpec = field(default_factory=EngineSpec)
+    nvlink_domain: str | None = None
 
 
 class InProcessCluster:
@@ -103,6 +104,7 @@ class InProcessCluster:
             faults=spec.faults,
             engine=spec.engine,
             media=spec.media,
+            nvlink_domain=spec.nvlink_domain,
             auth=(
                 ServerAuth(Credentials.of(admin=[self.admin_token]))
                 if self.admin_token is not None

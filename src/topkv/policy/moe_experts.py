@@ -10,9 +10,13 @@ Defaults (:class:`MoEWeights`), and why:
 
 * ``stale_after_s = 30``: three heartbeats of the default 10 s lease; an entry older than
   that belongs to a worker whose lease has run out (the registry drops it too).
-* ``straggler_factor = 2.0``: a replica whose compute latency is over twice the baseline
-  is a straggler; the baseline is the lower quartile of all fresh replicas' latencies (not
-  the median: with two expert groups of which one is slow, the median sits between them).
+* ``straggler_factor = 2.0``: a replica whose compute latency is over twice its reference
+  is a straggler. The reference is the lower quartile of the measured (non-zero) latencies
+  of the same expert's replicas when it has two or more (the same weights on the same
+  traffic: the fairest comparison), else of all fresh replicas (the baseline). A lower
+  quartile, not a median: with two replicas of which one is slow, the median sits between
+  them. Only a host with at least half of its measured replicas over the threshold is a
+  straggler (a slow host; a lone slow replica on a fast host is timing noise).
   Expert compute is the same GEMM shape everywhere, so healthy replicas sit within a few
   tens of percent of each other (batch noise); 2x is far outside that and well inside the
   5-10x of a throttled or contended GPU.
@@ -146,6 +150,7 @@ class ExpertSnapshot:
     dropped_stale: int
     _by_key: dict[ExpertKey, list[ExpertReplica]] = field(default_factory=dict)
     _tables: dict[tuple[str | None, int | str | None], DomainTable] = field(default_factory=dict)
+    _references: dict[ExpertKey, float] = field(default_factory=dict)
 
     @classmethod
     def build(
@@ -162,15 +167,25 @@ class ExpertSnapshot:
             )
         )
         usable = [r for r in fresh if r.healthy]
-        baseline = _lower_quartile([r.compute_s for r in usable])
+        # A replica that never computed (no token routed to it yet) has no latency to count.
+        baseline = _lower_quartile([r.compute_s for r in usable if r.compute_s > 0])
         mean_rate = statistics.fmean(r.rate for r in usable) if usable else 0.0
-        limit = weights.straggler_factor * baseline
-        stragglers = frozenset(
-            (r.worker_id, r.layer, r.expert) for r in usable if baseline > 0 and r.compute_s > limit
-        )
+        by_key: dict[ExpertKey, list[float]] = {}
+        for r in usable:
+            if r.compute_s > 0:
+                by_key.setdefault(r.key, []).append(r.compute_s)
+        references = {key: _reference(values, baseline) for key, values in by_key.items()}
+        slow = [
+            r
+            for r in usable
+            if baseline > 0
+            and r.compute_s > weights.straggler_factor * references.get(r.key, baseline)
+        ]
+        stragglers = _on_straggling_hosts(slow, usable)
         snapshot = cls(
             fresh, weights, stragglers, baseline, mean_rate, len(everything) - len(fresh)
         )
+        snapshot._references = references
         for r in usable:
             snapshot._by_key.setdefault(r.key, []).append(r)
         return snapshot
@@ -186,12 +201,24 @@ class ExpertSnapshot:
     def is_straggler(self, r: ExpertReplica) -> bool:
         return (r.worker_id, r.layer, r.expert) in self.stragglers
 
+    def effective_compute_s(self, r: ExpertReplica) -> float:
+        """The compute latency the estimates use: a straggler's as measured; any other
+        replica's at its reference (differences within the straggler threshold are
+        measurement noise, and must not outweigh a cheaper KV transfer)."""
+        if self.is_straggler(r):
+            return r.compute_s
+        return self._references.get(r.key, self.baseline_compute_s) or r.compute_s
+
     def load_factor(self, r: ExpertReplica) -> float:
         """``rate * rate/mean + compute * compute/baseline + queue * depth/queue_norm``
         (``baseline_compute_s``: the lower quartile of the latencies)."""
         w = self.weights
         rate = r.rate / self.mean_rate if self.mean_rate > 0 else 0.0
-        compute = r.compute_s / self.baseline_compute_s if self.baseline_compute_s > 0 else 0.0
+        compute = (
+            self.effective_compute_s(r) / self.baseline_compute_s
+            if self.baseline_compute_s > 0
+            else 0.0
+        )
         return w.rate * rate + w.compute * compute + w.queue * r.queue_depth / w.queue_norm
 
     def expected_shares(self) -> dict[ExpertKey, float]:
@@ -224,7 +251,10 @@ class ExpertSnapshot:
         pool = local or [r for r in reps if not self.is_straggler(r)] or reps
         return min(
             pool,
-            key=lambda r: (r.compute_s * (1 + r.queue_depth) + r.network_s, r.worker_id),
+            key=lambda r: (
+                self.effective_compute_s(r) * (1 + r.queue_depth) + r.network_s,
+                r.worker_id,
+            ),
         )
 
     def table(
@@ -255,7 +285,7 @@ class ExpertSnapshot:
             )
             meta.setdefault(r.worker_id, r)
             acc["share"] += share
-            acc["compute"] += share * r.compute_s * (1 + r.queue_depth)
+            acc["compute"] += share * self.effective_compute_s(r) * (1 + r.queue_depth)
             acc["lf"] += share * self.load_factor(r)
             if self.is_straggler(r):
                 acc["st"] += share
@@ -293,3 +323,25 @@ def _lower_quartile(values: list[float]) -> float:
     low = int(pos)
     high = min(low + 1, len(ordered) - 1)
     return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+def _reference(same_expert: list[float], baseline: float) -> float:
+    """The latency a replica is compared with: its expert's replicas', else the baseline."""
+    return _lower_quartile(same_expert) if len(same_expert) >= 2 else baseline
+
+
+def _on_straggling_hosts(
+    slow: list[ExpertReplica], usable: list[ExpertReplica]
+) -> frozenset[tuple[str, int, int]]:
+    """The slow replicas of hosts at least half of whose measured replicas are slow: a
+    straggler is a slow host (throttled, contended); one slow replica among fast ones on
+    the same host is timing noise."""
+    measured: dict[str, int] = {}
+    for r in usable:
+        if r.compute_s > 0:
+            measured[r.worker_id] = measured.get(r.worker_id, 0) + 1
+    count: dict[str, int] = {}
+    for r in slow:
+        count[r.worker_id] = count.get(r.worker_id, 0) + 1
+    hosts = {w for w, n in count.items() if 2 * n >= measured.get(w, 1)}
+    return frozenset((r.worker_id, r.layer, r.expert) for r in slow if r.worker_id in hosts)
