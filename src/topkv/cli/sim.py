@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 from topkv.cli.console import stdout_console
+from topkv.cli.sim_tiers import CALIBRATION_HELP, TIERS_HELP, print_tier_comparison
 from topkv.errors import ConfigError
 from topkv.jsonout import dumps
 from topkv.kv import get_model, load_hf_config
@@ -116,6 +117,8 @@ def sim_command(
     ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
     report: Path | None = typer.Option(None, "--report", help="Write PNG plots and HTML."),
+    tiers: str | None = typer.Option(None, "--tiers", help=TIERS_HELP),
+    tier_calibration: Path | None = typer.Option(None, "--tier-calibration", help=CALIBRATION_HELP),
 ) -> None:
     """Simulate prefill -> KV transfer -> decode on a cluster, side by side per policy."""
     if rate_scale <= 0:
@@ -154,6 +157,9 @@ def sim_command(
     if moe is not None:
         base = moe_config(base)[0]
     instances = _check_runnable(base, cluster)
+    if tiers is not None:  # decode memory tier layouts side by side (sim/tiers.py)
+        print_tier_comparison(base, workload, tiers, tier_calibration, as_json)
+        return
     splits = [_reduced(p, instances - p) for p in range(1, instances)] if sweep else []
     sweep_policy = policy if policy != "all" else SWEEP_POLICY
     err = Console(stderr=True)
