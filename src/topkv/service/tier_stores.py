@@ -349,36 +349,47 @@ class DiskTierStore:
             fd = os.open(path, os.O_RDONLY | self._flags())
         except FileNotFoundError:
             raise TierKVLost(f"tier {self.spec.name}: {path} was deleted; recompute") from None
-        try:
-            got = 0
-            view = memoryview(buf)
-            while got < size:
-                n = os.readv(fd, [view[got : min(size, got + IO_CHUNK)]])
-                if n == 0:
-                    break
-                got += n
-        except OSError as exc:
-            raise TierKVLost(
-                f"tier {self.spec.name}: reading {path}: {os.strerror(exc.errno or 0)}"
-            ) from None
-        finally:
-            os.close(fd)
-        return self._decode(buf, got, key, layout, crcs, path)
+        view = memoryview(buf)
+        chunks = [(start, min(size, start + IO_CHUNK)) for start in range(0, size, IO_CHUNK)]
+        # A reader thread reads the chunks in order while this thread checks each frame
+        # whose bytes are in: the disk and the CRC-64 overlap.
+        with ThreadPoolExecutor(1, thread_name_prefix="kv-disk-read") as reader:
+            reads = [reader.submit(os.preadv, fd, [view[lo:hi]], lo) for lo, hi in chunks]
+            try:
+                return self._decode(view, reads, size, layout, crcs, path)
+            except OSError as exc:
+                raise TierKVLost(
+                    f"tier {self.spec.name}: reading {path}: {os.strerror(exc.errno or 0)}"
+                ) from None
+            finally:
+                for pending in reads:
+                    pending.cancel()
+                done = [f for f in reads if not f.cancelled()]
+                for f in done:
+                    with contextlib.suppress(Exception):
+                        f.result()
+                os.close(fd)
 
     def _decode(
         self,
-        buf: mmap.mmap,
-        got: int,
-        key: int,
+        view: memoryview,
+        reads: list[Future[int]],
+        size: int,
         layout: KVLayout,
         crcs: Sequence[tuple[int, ...]],
         path: Path,
     ) -> list[LayerTensors]:
-        view = memoryview(buf)
         frame_bytes = HEADER_SIZE + layout.layer_bytes
         layers: list[LayerTensors] = []
-        offset = 0
+        offset, got, ready = 0, 0, 0
         for index in range(layout.num_layers):
+            while got < offset + frame_bytes and ready < len(reads):
+                n = reads[ready].result()
+                if n < min(IO_CHUNK, size - ready * IO_CHUNK):
+                    got = ready * IO_CHUNK + n  # a short read: the file ends here
+                    ready = len(reads)
+                    break
+                got, ready = got + n, ready + 1
             if offset + frame_bytes > got:
                 raise TierKVLost(f"tier {self.spec.name}: {path} is truncated at layer {index}")
             try:
