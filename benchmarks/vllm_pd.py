@@ -83,6 +83,7 @@ def main() -> None:
     _need_vllm()
     from topkv.integrations.vllm.launch import kv_transfer_config, start_vllm, wait_healthy
     from topkv.integrations.vllm.model import VOCAB_SIZE, write_tiny_llama
+    from topkv.service.cluster import Supervisor
 
     root = Path(tempfile.mkdtemp(prefix="topkv-vllm-pd-"))
     model = write_tiny_llama(root / "model")
@@ -103,8 +104,9 @@ def main() -> None:
         "example-prefill": example,
         "example-decode": example,
     }
+    supervisor = Supervisor(root / "logs", grace_s=20)
     instances = {
-        name: start_vllm(name, model, _port(), root / "logs", cpu=str(i % 2), kv_config=config)
+        name: start_vllm(supervisor, name, model, _port(), cpu=str(i % 2), kv_config=config)
         for i, (name, config) in enumerate(configs.items())
     }
     try:
@@ -139,8 +141,7 @@ def main() -> None:
             _, alone = _post(url["topkv-prefill"], {**base, "prompt": other})
             ttft["none"].append(alone)
     finally:
-        for instance in instances.values():
-            instance.stop()
+        supervisor.stop_all()
 
     def entry(name: str) -> dict[str, Any]:
         t = _pcts(ttft[name])

@@ -1,15 +1,18 @@
-"""``topkv router``: the OpenAI-compatible front door over vLLM instances running
-TopKVConnector (``docs/vllm.md``)."""
+"""``topkv router`` (the OpenAI-compatible front door over vLLM instances running
+TopKVConnector), ``topkv vllm up`` (a local stack: the front door and N prefill + M decode
+vLLM instances) and ``topkv vllm model`` (TopKV's tiny Llama). See ``docs/vllm.md``."""
 
 from __future__ import annotations
 
 import asyncio
+import sys
 from pathlib import Path
 
 import typer
 
 from topkv.cli.auth_options import insecure_option, orchestrator_auth, token_file_option
 from topkv.cli.services import _logging, _until_signalled
+from topkv.errors import ConfigError
 
 
 def router_command(
@@ -49,5 +52,71 @@ def router_command(
     asyncio.run(_until_signalled(main))
 
 
+def _vllm_python() -> str:
+    """The interpreter that has vLLM: ``.venv-vllm`` (scripts/install-vllm.sh) when present."""
+    local = Path(".venv-vllm/bin/python")
+    return str(local.absolute()) if local.exists() else sys.executable
+
+
+def vllm_up_command(
+    model: Path = typer.Option(..., help="model directory (`topkv vllm model DIR` writes one)"),
+    prefill: int = typer.Option(1, min=1, help="prefill instances"),
+    decode: int = typer.Option(1, min=1, help="decode instances"),
+    port: int = typer.Option(8000, help="the front door's port (0 picks a free one)"),
+    run_dir: Path = typer.Option(Path("topkv-vllm-run"), help="tokens, secret, logs"),
+    python: str = typer.Option("", help="interpreter with vLLM (default: .venv-vllm's)"),
+) -> None:
+    """Start the front door and N prefill + M decode vLLM instances with TopKVConnector;
+    print the URL; Ctrl-C stops them all."""
+    from topkv.integrations.vllm.router import RouterServer
+    from topkv.integrations.vllm.stack import StackFiles, start_pd_instances, wait_up
+    from topkv.service.auth import Credentials, ServerAuth
+    from topkv.service.cluster import Supervisor
+
+    if not (model / "config.json").is_file():
+        raise ConfigError(f"{model}: no config.json (`topkv vllm model {model}` writes one)")
+    _logging("warning")
+    files = StackFiles.create(run_dir)
+    auth = ServerAuth(Credentials.of(admin=[files.admin_token], worker=[files.worker_token]))
+
+    async def main(stop: asyncio.Event) -> None:
+        server = RouterServer(auth, str(run_dir))
+        url = await server.serve("127.0.0.1", port)
+        with Supervisor(run_dir / "logs", grace_s=20) as supervisor:
+            instances = start_pd_instances(
+                supervisor, model.absolute(), files, url,
+                prefill=prefill, decode=decode, python=python or _vllm_python(),
+            )  # fmt: skip
+            waiting = asyncio.create_task(asyncio.to_thread(wait_up, instances, server.registry))
+            stopped = asyncio.create_task(stop.wait())
+            await asyncio.wait({waiting, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            if waiting.done():
+                waiting.result()  # raises what went wrong
+                typer.echo(
+                    f"topkv vllm: {url}/v1 ({prefill} prefill, {decode} decode; api_key in "
+                    f"{files.admin_file}; logs in {run_dir / 'logs'}); Ctrl-C stops",
+                    err=True,
+                )
+                await stopped
+        await server.close()
+
+    asyncio.run(_until_signalled(main))
+
+
+def vllm_model_command(
+    directory: Path = typer.Argument(..., help="where to write it"),
+    seed: int = typer.Option(0, help="weights seed"),
+    layers: int = typer.Option(4, min=1, help="decoder layers"),
+) -> None:
+    """Write TopKV's tiny Llama (seeded random weights, byte-level tokenizer) for vLLM."""
+    from topkv.integrations.vllm.model import write_tiny_llama
+
+    typer.echo(write_tiny_llama(directory, seed=seed, layers=layers))
+
+
 def register(app: typer.Typer) -> None:
     app.command("router")(router_command)
+    vllm = typer.Typer(help="vLLM with TopKVConnector (docs/vllm.md)", no_args_is_help=True)
+    vllm.command("up")(vllm_up_command)
+    vllm.command("model")(vllm_model_command)
+    app.add_typer(vllm, name="vllm")

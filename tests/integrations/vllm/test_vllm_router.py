@@ -126,3 +126,33 @@ def test_topkv_router_command_serves_until_interrupted(tmp_path: Path) -> None:
         assert process.wait(20) == 0
     finally:
         process.kill()
+
+
+def test_topkv_vllm_model_writes_a_loadable_model_and_up_refuses_a_bad_dir(
+    tmp_path: Path,
+) -> None:
+    pytest.importorskip("transformers")
+    topkv = str(Path(sys.executable).with_name("topkv"))
+    refused = subprocess.run(
+        [topkv, "vllm", "up", "--model", str(tmp_path / "none"), "--run-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+    )
+    assert refused.returncode == 2 and "no config.json" in refused.stderr
+    written = subprocess.run(
+        [topkv, "vllm", "model", str(tmp_path / "m"), "--layers", "2"],
+        capture_output=True,
+        text=True,
+    )
+    assert written.returncode == 0, written.stderr
+    from transformers import AutoConfig, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(tmp_path / "m")
+    assert (config.num_hidden_layers, config.head_dim, config.vocab_size) == (2, 64, 258)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "m")
+    ids = tokenizer("KV, layer by layer")["input_ids"]
+    assert tokenizer.decode(ids) == "KV, layer by layer" and max(ids) < 258
+    chat = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
+    assert chat == "<s>user: hi\n<s>assistant: "

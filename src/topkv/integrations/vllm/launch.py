@@ -14,11 +14,12 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from topkv.errors import TopKVError
+from topkv.service.cluster import ManagedProcess, ProcessSpec, Supervisor
 
 
 class VllmStartError(TopKVError):
@@ -38,37 +39,33 @@ def kv_transfer_config(kv_role: str, extra: dict[str, Any]) -> dict[str, Any]:
 
 @dataclass
 class VllmInstance:
-    name: str
+    """One vLLM server, a process of a :class:`~topkv.service.cluster.Supervisor` (which
+    stops it with the others, and makes it die with its parent)."""
+
+    managed: ManagedProcess
     port: int
-    process: subprocess.Popen[bytes]
-    log_path: Path
-    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.managed.spec.name
+
+    @property
+    def process(self) -> subprocess.Popen[bytes]:
+        return self.managed.popen
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def log_tail(self, chars: int = 3000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except OSError:
-            return ""
-
-    def stop(self, timeout_s: float = 20.0) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(5)
+    def log_tail(self, lines: int = 40) -> str:
+        return self.managed.log_tail(lines)
 
 
 def start_vllm(
+    supervisor: Supervisor,
     name: str,
     model_dir: Path,
     port: int,
-    log_dir: Path,
     *,
     cpu: str,
     kv_config: dict[str, Any] | None = None,
@@ -76,13 +73,13 @@ def start_vllm(
     dtype: str = "float32",
     python: str = sys.executable,
 ) -> VllmInstance:
-    """Start one instance (returns at once; :func:`wait_healthy` waits for it).
+    """Start one instance under ``supervisor`` (returns at once; see :func:`wait_healthy`).
 
     ``dtype`` float32 by default: in bfloat16 the last prompt token, which the decode
     instance recomputes against the received KV, rounds differently from the same token in
     a whole-prompt prefill, and the random model's near-tied logits then flip greedy picks.
     """
-    args = [
+    argv = [
         python, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model_dir), "--served-model-name", "tiny-llama",
         "--host", "127.0.0.1", "--port", str(port),
@@ -90,20 +87,16 @@ def start_vllm(
         "--dtype", dtype, "--seed", "0", "--disable-log-stats",
     ]  # fmt: skip
     if kv_config is not None:
-        args += ["--kv-transfer-config", json.dumps(kv_config)]
+        argv += ["--kv-transfer-config", json.dumps(kv_config)]
     env = {
-        **os.environ,
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "HF_HUB_OFFLINE": "1",
         "VLLM_CPU_OMP_THREADS_BIND": cpu,
         "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "INFO"),
     }
-    log_dir.mkdir(parents=True, exist_ok=True)
-    log_path = log_dir / f"{name}.log"
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
-    extra = dict(kv_config["kv_connector_extra_config"]) if kv_config else {}
-    return VllmInstance(name, port, process, log_path, extra)
+    # readiness is GET /health (vLLM writes no ready file): the spec's file stays unused
+    spec = ProcessSpec(name, argv, supervisor.run_dir / f"{name}.unused-ready", env=env)
+    return VllmInstance(supervisor.start(spec), port)
 
 
 def wait_healthy(instances: list[VllmInstance], timeout_s: float = 300.0) -> None:
@@ -111,7 +104,7 @@ def wait_healthy(instances: list[VllmInstance], timeout_s: float = 300.0) -> Non
     pending = list(instances)
     while pending:
         for instance in list(pending):
-            if instance.process.poll() is not None:
+            if not instance.managed.alive():
                 raise VllmStartError(
                     f"vLLM {instance.name} exited with {instance.process.returncode}:\n"
                     + instance.log_tail()

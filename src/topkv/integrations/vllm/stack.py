@@ -1,0 +1,114 @@
+"""A local prefill/decode stack: N prefill and M decode vLLM instances running
+TopKVConnector, registered with one front door. ``topkv vllm up``, the end-to-end tests and
+the benchmark start their instances through :func:`start_pd_instances`."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from topkv.errors import TopKVError
+from topkv.integrations.vllm.launch import (
+    VllmInstance,
+    kv_transfer_config,
+    start_vllm,
+    wait_healthy,
+)
+from topkv.relay.registry_base import WorkerRegistry
+from topkv.service.auth import new_token, write_token_file
+from topkv.service.cluster import Supervisor
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class StackFiles:
+    """The run directory's secrets (all 0600): the admin token (OpenAI clients' api_key),
+    the worker token (the instances register with it) and the transports' shared secret."""
+
+    run_dir: Path
+    admin_token: str
+    worker_token: str
+
+    @property
+    def admin_file(self) -> Path:
+        return self.run_dir / "admin-token"
+
+    @property
+    def worker_file(self) -> Path:
+        return self.run_dir / "worker-token"
+
+    @property
+    def secret_file(self) -> Path:
+        return self.run_dir / "kv-secret"
+
+    @classmethod
+    def create(cls, run_dir: Path) -> StackFiles:
+        files = cls(run_dir, new_token(), new_token())
+        write_token_file(files.admin_file, files.admin_token)
+        write_token_file(files.worker_file, files.worker_token)
+        write_token_file(files.secret_file, os.urandom(32).hex())
+        return files
+
+
+def start_pd_instances(
+    supervisor: Supervisor,
+    model_dir: Path,
+    files: StackFiles,
+    registry_url: str,
+    *,
+    prefill: int = 1,
+    decode: int = 1,
+    python: str | None = None,
+    max_model_len: int = 1024,
+    load_timeout_s: float = 30.0,
+) -> list[VllmInstance]:
+    """Start the instances (prefill0.., decode0..; OpenMP bound round-robin to the cores)
+    and return at once; :func:`wait_up` waits for them."""
+    cores = os.cpu_count() or 1
+    roles = [("prefill", "kv_producer")] * prefill + [("decode", "kv_consumer")] * decode
+    instances = []
+    counts = {"prefill": 0, "decode": 0}
+    for index, (role, kv_role) in enumerate(roles):
+        name = f"{role}{counts[role]}"
+        counts[role] += 1
+        port = free_port()
+        extra = {
+            "secret_file": str(files.secret_file),
+            "shm_dir": str(files.run_dir),
+            "worker_id": name,
+            "registry_url": registry_url,
+            "token_file": str(files.worker_file),
+            "api_url": f"http://127.0.0.1:{port}",
+            "tcp_port": free_port(),
+            "load_timeout_s": load_timeout_s,
+        }
+        instances.append(
+            start_vllm(
+                supervisor, name, model_dir, port, cpu=str(index % cores),
+                kv_config=kv_transfer_config(kv_role, extra), max_model_len=max_model_len,
+                **({"python": python} if python else {}),
+            )
+        )  # fmt: skip
+    return instances
+
+
+def wait_up(
+    instances: list[VllmInstance], registry: WorkerRegistry, timeout_s: float = 600.0
+) -> None:
+    """Until every instance answers /health and is registered."""
+    started = time.monotonic()
+    wait_healthy(instances, timeout_s)
+    names = {instance.name for instance in instances}
+    while names - {w.worker_id for w in registry.workers()}:
+        if time.monotonic() - started > timeout_s:
+            missing = ", ".join(sorted(names - {w.worker_id for w in registry.workers()}))
+            raise TopKVError(f"vLLM instances {missing} are up but never registered")
+        time.sleep(0.2)
