@@ -16,8 +16,11 @@ same link-load snapshot and transfer estimates the transport policy uses:
   target whose own domain serves a straggling expert is avoided while another is not;
 * ``cost`` (the default): the lowest ``kv_s + dispatch_s + queue_s``: the KV transfer's
   estimate, the decode's expected dispatch time (per token: each host's bytes over the
-  estimated path from the target, plus the expected compute and queueing of the replicas it
-  dispatches to, times the tokens to decode), and the target's expected wait.
+  estimated path from the target, plus the activations times the slowest serving
+  replica's compute latency and queue, since each layer's all-to-all waits for its slowest
+  host; times the tokens to decode), and the target's expected wait, stretched by the
+  slowest host's latency over the baseline (the wait is counted in the target's steps,
+  which a straggler in its group lengthens).
 
 Ties (within a relative ``1e-9``) go to the least loaded target, then the smallest worker
 id, so a decision is deterministic. A target is eligible when healthy, with a free slot,
@@ -128,10 +131,17 @@ class _Scored:
     kv_s: float
     table: DomainTable
     dispatch_s: float
+    stretch: float = 1.0
 
     @property
     def total_s(self) -> float:
-        return self.kv_s + self.dispatch_s + self.target.queue_s
+        return self.kv_s + self.dispatch_s + self.queue_s
+
+    @property
+    def queue_s(self) -> float:
+        """The target's expected wait, in its steps, which its slowest expert host
+        stretches (``stretch``: that host's compute latency over the baseline, >= 1)."""
+        return self.target.queue_s * self.stretch
 
 
 class MoERouter:
@@ -178,7 +188,9 @@ class MoERouter:
                 continue
             table = snapshot.table(t.domain, request.shares, request.shares_id)
             dispatch = self._dispatch_s(t, table, request, pair_view, cost_of, load)
-            scored.append(_Scored(t, kv_s, table, dispatch))
+            base = snapshot.baseline_compute_s
+            stretch = max(1.0, table.slowest_compute_s / base) if base > 0 else 1.0
+            scored.append(_Scored(t, kv_s, table, dispatch, stretch))
         if not scored:
             return None
         key, why = _RULES[self.strategy]
@@ -191,7 +203,7 @@ class MoERouter:
             score=key(best),
             kv_s=best.kv_s,
             dispatch_s=best.dispatch_s,
-            queue_s=best.target.queue_s,
+            queue_s=best.queue_s,
             local_share=best.table.local_share,
             load_factor=best.table.load_factor,
             straggler_share=best.table.straggler_share,
@@ -212,9 +224,10 @@ class MoERouter:
         acts = request.activations_per_token
         if request.decode_tokens == 0 or acts == 0:
             return 0.0
-        per_token = 0.0
+        # Expert compute: every activation waits for its layer's all-to-all, which ends with
+        # the slowest serving host (a straggler slows every step that touches it).
+        per_token = acts * table.slowest_compute_s
         for host in table.hosts:
-            per_token += acts * host.compute_s
             calls = host.share * acts
             if host.endpoint == target.endpoint:
                 continue

@@ -130,6 +130,9 @@ class DomainTable:
     local_share: float
     straggler_share: float
     hosts: tuple[HostShare, ...]
+    #: The slowest serving replica's compute latency (queue included): each MoE layer's
+    #: all-to-all completes when its slowest host does.
+    slowest_compute_s: float = 0.0
 
     @property
     def load_factor(self) -> float:
@@ -274,7 +277,7 @@ class ExpertSnapshot:
             shares = self.expected_shares()
         hosts: dict[str, dict[str, float]] = {}
         meta: dict[str, ExpertReplica] = {}
-        local = straggling = 0.0
+        local = straggling = slowest = 0.0
         for key in sorted(shares):
             share = shares[key]
             r = self.serving(domain, key)
@@ -285,7 +288,9 @@ class ExpertSnapshot:
             )
             meta.setdefault(r.worker_id, r)
             acc["share"] += share
-            acc["compute"] += share * self.effective_compute_s(r) * (1 + r.queue_depth)
+            latency = self.effective_compute_s(r) * (1 + r.queue_depth)
+            slowest = max(slowest, latency)
+            acc["compute"] += share * latency
             acc["lf"] += share * self.load_factor(r)
             if self.is_straggler(r):
                 acc["st"] += share
@@ -308,6 +313,7 @@ class ExpertSnapshot:
                 )
                 for wid, acc in sorted(hosts.items())
             ),
+            slowest,
         )
         if cacheable:
             self._tables[cache_key] = table

@@ -155,9 +155,6 @@ class MoESimulation(Simulation):
         self.dispatch_by_class: dict[str, float] = {}
         self.routed_to_straggler_group = 0
         self.routed = 0
-        # The per-activation expert time the hosts report, at batch 1.
-        base = self.compute.decode_step_s(1, 1024)
-        self._expert_s = base * self.sizes.expert_step_share / max(1, self.acts)
         self._slow = {
             g.gid: np.array(
                 [
@@ -229,14 +226,15 @@ class MoESimulation(Simulation):
         return TransferRequest(nbytes=shard, chunks=self.layers if self.config.pipelining else 1)
 
     def _queue_s(self, d: DecodeState, r: ReqState) -> float:
-        """The decode time this request adds by joining ``d``'s batch (its tokens at the
-        step-time increase of one more member), plus the waiting line's steps."""
+        """What sharing ``d``'s batch costs this request: its tokens at the step time of
+        the batch it joins (members and requests already routed there) over a step alone,
+        plus the waiting line's steps."""
         tokens = max(0, r.req.output_tokens - 1)
         n = d.n + d.pending
         cached = d.sum_input + d.n * d.steps - d.sum_join
-        grow = self.compute.decode_step_s(n + 1, cached + r.req.input_tokens)
-        grow -= self.compute.decode_step_s(max(1, n), max(cached, 1.0))
-        return tokens * max(0.0, grow) + len(d.waiting) * d.step_s
+        shared = self.compute.decode_step_s(n + 1, cached + r.req.input_tokens)
+        alone = self.compute.decode_step_s(1, float(r.req.input_tokens))
+        return tokens * max(0.0, shared - alone) + len(d.waiting) * d.step_s
 
     def _commit(
         self, inst: Instance, r: ReqState, target: DecodeState, need: float
@@ -296,7 +294,7 @@ class MoESimulation(Simulation):
                         domain=host.gpus[0].domain,
                         endpoint=host.gpus[0].endpoint,
                         rate=float(mean[e]) * (d.n + 1),
-                        compute_s=self._expert_s * float(slow[int(h)]),
+                        compute_s=self._expert_latency() * float(slow[int(h)]),
                         network_s=2 * self.cluster.spec.setup_latency_s.get("rdma", 5e-6),
                         queue_depth=len(d.waiting),
                         updated_at=now,
@@ -305,6 +303,13 @@ class MoESimulation(Simulation):
         self._snapshot = self.moe_router.snapshot(replicas)
         self._snapshot_at = now
         return self._snapshot
+
+    def _expert_latency(self) -> float:
+        """What a host reports as its experts' compute latency: the routed-expert part of a
+        decode step at batch 1, per activation of a token (its intrinsic speed; its load
+        shows in the batch it serves, which the router weighs as queueing)."""
+        step = self.compute.decode_step_s(1, 1024.0)
+        return step * self.sizes.expert_step_share / max(1, self.acts)
 
     # -- decode steps ------------------------------------------------------------------
 
