@@ -3,8 +3,9 @@
 One anonymous ``mmap`` of the tier's capacity, bound with ``mbind(MPOL_BIND)`` to a NUMA
 node when one is named (a CPU-less node is how CXL memory appears), then touched page by
 page so every later copy runs at memory speed, not page-fault speed. Allocations are
-first-fit over a free list in 4 KiB units. :attr:`Arena.placement` says where the memory
-really is: ``"numa node 2 (mbind)"``, or why it could not be bound.
+first-fit in 4 KiB units (the engine media's allocator,
+:class:`topkv.transport.engine.Arena`). :attr:`Arena.placement` says where the memory really
+is: ``"numa node 2 (mbind)"``, or why it could not be bound.
 """
 
 from __future__ import annotations
@@ -16,8 +17,11 @@ import platform
 import threading
 
 from topkv.service.errors import ServiceError
+from topkv.transport.engine import ARENA_ALIGN
+from topkv.transport.engine import Arena as OffsetArena
+from topkv.transport.errors import FrameRejected, ResourceExhausted
 
-PAGE = 4096
+PAGE = ARENA_ALIGN  # 4096
 _MPOL_BIND = 2
 _MPOL_MF_STRICT = 1
 _MPOL_MF_MOVE = 2
@@ -74,40 +78,28 @@ class Arena:
         self.view = memoryview(self.buffer)
         for offset in range(0, self.capacity, PAGE):  # fault every page in now
             self.buffer[offset] = 0
-        self._free: list[tuple[int, int]] = [(0, self.capacity)]
+        self._offsets = OffsetArena(self.capacity)  # the engine media's first-fit allocator
         self._lock = threading.Lock()
         self.used = 0
 
     def allocate(self, nbytes: int) -> tuple[int, int]:
         """``(offset, size)`` of a free block of at least ``nbytes``; raises :class:`ArenaFull`."""
         size = _round_up(max(nbytes, 1))
+        try:
+            offset = self._offsets.allocate(size, timeout=0.0)
+        except (ResourceExhausted, FrameRejected):
+            raise ArenaFull(
+                f"arena of {self.capacity:,} bytes has no free run of {size:,} "
+                f"({self.capacity - self.used:,} free)"
+            ) from None
         with self._lock:
-            for i, (offset, length) in enumerate(self._free):
-                if length >= size:
-                    if length == size:
-                        del self._free[i]
-                    else:
-                        self._free[i] = (offset + size, length - size)
-                    self.used += size
-                    return offset, size
-        raise ArenaFull(
-            f"arena of {self.capacity:,} bytes has no free run of {size:,} "
-            f"({self.capacity - self.used:,} free in {len(self._free)} pieces)"
-        )
+            self.used += size
+        return offset, size
 
     def release(self, block: tuple[int, int]) -> None:
-        _offset, size = block
+        self._offsets.free(*block)
         with self._lock:
-            self._free.append(block)
-            self._free.sort()
-            merged: list[tuple[int, int]] = []
-            for start, length in self._free:
-                if merged and merged[-1][0] + merged[-1][1] == start:
-                    merged[-1] = (merged[-1][0], merged[-1][1] + length)
-                else:
-                    merged.append((start, length))
-            self._free = merged
-            self.used -= size
+            self.used -= block[1]
 
     def block_view(self, block: tuple[int, int], nbytes: int) -> memoryview:
         return self.view[block[0] : block[0] + nbytes]

@@ -10,7 +10,7 @@ that asks for more than exists is refused with both numbers.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from topkv.errors import ConfigError
@@ -115,29 +115,16 @@ def build_tier_stores(config: TierConfig, inventory: TierInventory) -> list[Tier
         spec = TierSpec("host", "host", config.host_bytes, 100e-9, HOST_GBPS, backing="host DRAM")
         stores.append(MemoryTierStore(spec, Arena(config.host_bytes)))
     if config.cxl_bytes and config.cxl != "off":
-        paper = PAPER_TIERS["cxl"]
-        if node is not None:
-            arena = Arena(config.cxl_bytes, numa_node=node.node_id)
-            spec = TierSpec(
-                "cxl",
-                "cxl",
-                config.cxl_bytes,
-                paper.latency_s,
-                paper.bandwidth_gbps,
-                backing=arena.placement,
-                numa=node.node_id,
-            )
-        else:
-            arena = Arena(config.cxl_bytes)
-            spec = TierSpec(
-                "cxl",
-                "cxl",
-                config.cxl_bytes,
-                paper.latency_s,
-                paper.bandwidth_gbps,
-                emulated=True,
-                backing=f"emulated: host memory paced to 150 ns, 64 GB/s x{config.cxl_dilation:g}",
-            )
+        numa = None if node is None else node.node_id
+        arena = Arena(config.cxl_bytes, numa_node=numa)
+        emulated = f"emulated: host memory paced to 150 ns, 64 GB/s x{config.cxl_dilation:g}"
+        spec = replace(
+            PAPER_TIERS["cxl"],
+            capacity_bytes=config.cxl_bytes,
+            emulated=node is None,
+            backing=emulated if node is None else arena.placement,
+            numa=numa,
+        )
         stores.append(MemoryTierStore(spec, arena, dilation=config.cxl_dilation))
     if config.disk_bytes:
         assert config.disk_dir is not None

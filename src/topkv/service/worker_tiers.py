@@ -10,7 +10,7 @@ between them are exported in Prometheus text format.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -56,26 +56,27 @@ class _TierCollector(Collector):
         dev = GaugeMetricFamily("topkv_kv_tier_device_caches", "KV caches on the device tier")
         dev.add_metric([], len(t.on_device()))
         yield dev
-        moved = CounterMetricFamily(
-            "topkv_kv_tier_moved_bytes", "bytes moved between tiers", labels=["src", "dst"]
-        )
-        for (src, dst), n in t.bytes_moved.items():
-            moved.add_metric([src, dst], n)
-        yield moved
-        events = CounterMetricFamily(
-            "topkv_kv_tier_events",
-            "demotions, promotions, prefetches, failovers, refusals",
-            labels=["event"],
-        )
-        for name, n in t.counters.items():
-            events.add_metric([name], n)
-        yield events
-        fails = CounterMetricFamily(
-            "topkv_kv_tier_failures", "failed tier writes and reads", labels=["tier", "kind"]
-        )
-        for (tier, kind), n in t.failures.items():
-            fails.add_metric([tier, kind], n)
-        yield fails
+        yield _counter(
+            "topkv_kv_tier_moved_bytes", "bytes moved between tiers", ["src", "dst"],
+            t.bytes_moved.items(),
+        )  # fmt: skip
+        yield _counter(
+            "topkv_kv_tier_events", "demotions, promotions, prefetches, failovers, refusals",
+            ["event"], (((name,), n) for name, n in t.counters.items()),
+        )  # fmt: skip
+        yield _counter(
+            "topkv_kv_tier_failures", "failed tier writes and reads", ["tier", "kind"],
+            t.failures.items(),
+        )  # fmt: skip
+
+
+def _counter(
+    name: str, doc: str, labels: list[str], values: Iterable[tuple[tuple[str, ...], int]]
+) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, doc, labels=labels)
+    for key, n in values:
+        family.add_metric(list(key), n)
+    return family
 
 
 class WorkerTiers:

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from topkv.topology.detect.errors import ParseError
 from topkv.topology.detect.lsblk import BlockDevice, parse_lsblk
@@ -25,6 +27,7 @@ from topkv.topology.detect.numa import NumaNodeInfo, parse_numactl_hardware
 from topkv.topology.probes import CommandRunner, LocalRunner, probe_nvml
 from topkv.topology.sysfs import ROOT, read_numa_nodes
 
+T = TypeVar("T")
 LSBLK_ARGV = ("lsblk", "-J", "-b", "-o", "NAME,TYPE,SIZE,ROTA,TRAN,MODEL,MOUNTPOINT")
 NUMACTL_ARGV = ("numactl", "-H")
 _MB = 1 << 20
@@ -136,6 +139,30 @@ def _gpu_memory(use_nvml: bool) -> tuple[tuple[int, ...], tuple[int, ...], str]:
     return (), (), "none (no NVML GPU, no torch with CUDA)"
 
 
+def _tool_then_sysfs(
+    runner: CommandRunner,
+    argv: tuple[str, ...],
+    parse: Callable[[str], list[T]],
+    sysfs: Callable[[], list[T]],
+    what: str,
+    sources: dict[str, str],
+) -> list[T]:
+    """The tool's parsed output, else sysfs's; ``sources[what]`` says which was used."""
+    tool = " ".join(argv[:3]) if argv[0] == "lsblk" else " ".join(argv)
+    got = runner.run(argv)
+    found: list[T] = []
+    if got.status == "ok":
+        try:
+            found = parse(got.text)
+            sources[what] = tool
+        except ParseError as exc:
+            sources[what] = f"{tool} unusable ({exc}); sysfs"
+    if not found:
+        found = sysfs()
+        sources.setdefault(what, "sysfs" if found else "none")
+    return found
+
+
 def discover_tier_inventory(
     runner: CommandRunner | None = None,
     root: Path = ROOT,
@@ -146,28 +173,13 @@ def discover_tier_inventory(
     """Probe this host (tools first, then sysfs)."""
     runner = runner or LocalRunner()
     sources: dict[str, str] = {}
-    nodes: list[NumaNodeInfo] = []
-    got = runner.run(NUMACTL_ARGV)
-    if got.status == "ok":
-        try:
-            nodes = parse_numactl_hardware(got.text)
-            sources["numa"] = "numactl -H"
-        except ParseError as exc:
-            sources["numa"] = f"numactl -H unusable ({exc}); sysfs"
-    if not nodes:
-        nodes = read_numa_nodes(root)
-        sources.setdefault("numa", "sysfs" if nodes else "none")
-    disks: list[BlockDevice] = []
-    got = runner.run(LSBLK_ARGV)
-    if got.status == "ok":
-        try:
-            disks = parse_lsblk(got.text)
-            sources["disks"] = "lsblk -J -b"
-        except ParseError as exc:
-            sources["disks"] = f"lsblk unusable ({exc}); sysfs"
-    if not disks:
-        disks = read_block_devices(root)
-        sources.setdefault("disks", "sysfs" if disks else "none")
+    nodes = _tool_then_sysfs(
+        runner, NUMACTL_ARGV, parse_numactl_hardware, lambda: read_numa_nodes(root), "numa",
+        sources,
+    )  # fmt: skip
+    disks = _tool_then_sysfs(
+        runner, LSBLK_ARGV, parse_lsblk, lambda: read_block_devices(root), "disks", sources
+    )
     total, available = _meminfo(root)
     if not total:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -164,7 +164,10 @@ def _from_text(lines: list[str]) -> list[BlockDevice]:
         # The tree drawing joins no column; the first token is the name when it starts
         # before the second column, else the row continues the one above.
         body = " " * depth + line[depth:]
-        first = _spans(body)[0]
+        tokens = _spans(body)
+        if not tokens:
+            continue  # tree drawing alone (a cut line)
+        first = tokens[0]
         if len(header) > 1 and first[0] >= header[1][0]:
             if not out:
                 raise ParseError(f"lsblk: row {line.strip()[:60]!r} has no device name")
