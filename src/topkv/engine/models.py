@@ -63,21 +63,27 @@ class LoadedModel:
         return layers
 
 
+def demo_config_kwargs(config: DemoModelConfig) -> dict[str, Any]:
+    """The transformers config arguments of a demo model's shape (Llama attention, SDPA,
+    float32), shared by the Llama demo and the Mixtral-style MoE demo."""
+    return {
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.layers,
+        "num_attention_heads": config.heads,
+        "num_key_value_heads": config.kv_heads,
+        "head_dim": config.head_dim,
+        "max_position_embeddings": config.max_position_embeddings,
+        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+        "tie_word_embeddings": False,
+        "attn_implementation": "sdpa",
+        "dtype": "float32",
+    }
+
+
 def _llama_config(config: DemoModelConfig) -> LlamaConfig:
-    runtime: dict[str, Any] = {"attn_implementation": "sdpa", "dtype": "float32"}
-    return LlamaConfig(
-        vocab_size=config.vocab_size,
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.layers,
-        num_attention_heads=config.heads,
-        num_key_value_heads=config.kv_heads,
-        head_dim=config.head_dim,
-        max_position_embeddings=config.max_position_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
-        tie_word_embeddings=False,
-        **runtime,
-    )
+    return LlamaConfig(**demo_config_kwargs(config))
 
 
 def build_demo_model(config: DemoModelConfig, seed: int) -> LoadedModel:

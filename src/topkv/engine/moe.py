@@ -34,7 +34,7 @@ import torch
 from transformers import MixtralConfig, MixtralForCausalLM
 
 from topkv.engine.errors import UnsupportedModelError
-from topkv.engine.models import LoadedModel, seed_parameters
+from topkv.engine.models import LoadedModel, demo_config_kwargs, seed_parameters
 from topkv.engine.spec import DemoModelConfig
 
 ALPHA = 0.3
@@ -47,22 +47,11 @@ def build_demo_moe_model(
     (``top_k`` per token), seeded weights (module docstring)."""
     if not 1 <= top_k <= experts:
         raise UnsupportedModelError(f"MoE demo: top_k {top_k} must be in [1, {experts}]")
-    runtime: dict[str, Any] = {"attn_implementation": "sdpa", "dtype": "float32"}
     mixtral = MixtralConfig(
-        vocab_size=config.vocab_size,
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.layers,
-        num_attention_heads=config.heads,
-        num_key_value_heads=config.kv_heads,
-        head_dim=config.head_dim,
-        max_position_embeddings=config.max_position_embeddings,
+        **demo_config_kwargs(config),
         num_local_experts=experts,
         num_experts_per_tok=top_k,
         sliding_window=None,
-        rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
-        tie_word_embeddings=False,
-        **runtime,
     )
     with torch.random.fork_rng(devices=[]):
         model = MixtralForCausalLM(mixtral)

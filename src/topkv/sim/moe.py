@@ -257,21 +257,10 @@ class MoESimulation(Simulation):
         if decision is None:
             return None
         r.kv_bytes = (self._kv(r.req.input_tokens) // self.tp) * self.tp
-        chosen = decision.selection.chosen
-        view = self.cluster.pair_view(inst.gpus[0], target.inst.gpus[0])
-        path = next(
-            c
-            for c in view.candidates
-            if c.transport == chosen.transport and c.links == chosen.links
-        )
-        target.reserved += need
-        target.pending += 1
-        r.mem = need
-        r.decode = target
         self.routed += 1
         if self._hosts[target.inst.name].group.gid in self._straggling_groups:
             self.routed_to_straggler_group += 1
-        return target, path, decision.selection.choice
+        return self._reserve(inst.gpus[0], target, decision, r, need)
 
     def _experts(self) -> ExpertSnapshot:
         """The registry's view: rebuilt once per heartbeat from the hosts' state."""

@@ -39,7 +39,7 @@ from topkv.kv.spec import ModelSpec
 from topkv.policy.admission import AdmissionLimits, admit
 from topkv.policy.adp import ADPConfig
 from topkv.policy.bandwidth import BandwidthEstimator
-from topkv.policy.route import DecodeWorkerView, RoutingPolicy
+from topkv.policy.route import DecodeWorkerView, RouteDecision, RoutingPolicy
 from topkv.policy.select import TransportSelector, policy_from_name
 from topkv.policy.view import Endpoint, LinkLoad, PairView, PathCandidate, TransferRequest
 from topkv.sim.adaptive import AdpDriver
@@ -269,7 +269,12 @@ class Simulation:
         )
         if decision is None:
             return None
-        target = by_id[decision.worker_id]
+        return self._reserve(src, by_id[decision.worker_id], decision, r, need)
+
+    def _reserve(
+        self, src: SimGPU, target: _Decode, decision: RouteDecision, r: _Req, need: float
+    ) -> tuple[_Decode, PathCandidate, str]:
+        """Reserve ``need`` on ``target`` for ``r``; the simulated path of the decision."""
         chosen = decision.selection.chosen
         view = self.cluster.pair_view(src, target.inst.gpus[0])
         path = next(
