@@ -35,8 +35,9 @@ def demo_command(
     stand_in: str = typer.Option(
         DEFAULT_STAND_IN,
         "--stand-in",
-        help="MODEL[@CLUSTER] the demo stands for (a catalog model, a topkv sim cluster): "
-        "its link-to-compute ratio sets the dilation, and topkv sim checks the result on it.",
+        help="MODEL or MODEL@CLUSTER the demo stands for (a catalog model, a topkv sim "
+        "cluster, default 4x-dgx-h100): its link-to-compute ratio sets the dilation, and "
+        "topkv sim checks the result on it.",
     ),
     pipelining: str = typer.Option(
         "on", "--pipelining", help="on (stream layer by layer) or off (send after prefill)."

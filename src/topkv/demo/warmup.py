@@ -78,7 +78,7 @@ async def _one_pass(
         done = PrefillDone.of(worker.worker_id, summary)
     except ValueError as exc:
         raise DemoError(f"warm-up: {exc}") from None
-    finally:
+    finally:  # DELETE /v1/kv/{id}: the worker drops the KV whichever role holds it
         await executor.discard_destination(worker, request_id)
     seconds = done.forward_end_s - done.forward_start_s
     if not seconds > 0:
