@@ -157,14 +157,14 @@ def run(size: int, repeat: int, directory: Path) -> dict[str, Any]:
     memcpy, put, get = [], [], []
     for _ in range(repeat):
         memcpy.append(_time(lambda: np.copyto(dst, src)))
-        put.append(_time(lambda: host.write(1, kv.layers, kv.crcs, kv.layout)))
+        put.append(_time(lambda: host.write(kv)))
         memcpy.append(_time(lambda: np.copyto(dst, src)))
         get.append(_time(lambda: host.read(1, kv.layout, kv.crcs, out=device)))
         host.drop(1)
     host.close()
     # disk tier vs raw direct I/O of as many bytes as the tier's file, same directory
     disk = DiskTierStore(TierSpec("disk", "disk", 4 * nbytes, 20e-6, 1.0), directory)
-    disk.write(1, kv.layers, kv.crcs, kv.layout)
+    disk.write(kv)
     file_bytes = disk.file_bytes(1) or nbytes
     disk.drop(1)
     raw = _aligned(file_bytes)
@@ -173,7 +173,7 @@ def run(size: int, repeat: int, directory: Path) -> dict[str, Any]:
     raw_w, raw_r, dw, dr = [], [], [], []
     for _ in range(repeat):
         raw_w.append(_time(lambda: _raw_write(raw_path, raw, disk.direct_io)))
-        dw.append(_time(lambda: disk.write(1, kv.layers, kv.crcs, kv.layout)))
+        dw.append(_time(lambda: disk.write(kv)))
         raw_r.append(_time(lambda: _raw_read(raw_path, raw, disk.direct_io)))
         dr.append(_time(lambda: disk.read(1, kv.layout, kv.crcs, out=into)))
         disk.drop(1)

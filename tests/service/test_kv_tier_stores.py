@@ -72,10 +72,10 @@ def test_arena_allocates_frees_and_merges() -> None:
 def test_memory_tier_round_trip_and_full() -> None:
     store = _host(NBYTES + 4096)
     kv = _kv(1)
-    store.write(1, kv.layers, kv.crcs, LAYOUT)
+    store.write(kv)
     assert store.holds(1) and store.free_bytes < NBYTES
     with pytest.raises(TierFull, match="tier host"):
-        store.write(2, kv.layers, kv.crcs, LAYOUT)
+        store.write(_kv(2))
     assert _same(kv, store.read(1, LAYOUT, kv.crcs))
     store.drop(1)
     with pytest.raises(TierKVLost, match="no copy of request 1"):
@@ -87,7 +87,7 @@ def test_emulated_cxl_is_paced() -> None:
     store = _host(1 << 20, emulated=True, dilation=200_000.0)
     kv = _kv(1)
     started = time.perf_counter()
-    store.write(1, kv.layers, kv.crcs, LAYOUT)
+    store.write(kv)
     store.read(1, LAYOUT, kv.crcs)
     modelled = 2 * 200_000.0 * (150e-9 + NBYTES / 64e9)
     assert time.perf_counter() - started >= modelled * 0.99
@@ -98,7 +98,7 @@ def test_disk_round_trip(tmp_path: Path, direct: bool | None) -> None:
     store = _disk(tmp_path, direct=direct)
     assert store.direct_io is (direct is None and store.io_note == "O_DIRECT")
     kv = _kv(7)
-    store.write(7, kv.layers, kv.crcs, LAYOUT)
+    store.write(kv)
     assert store.path(7).stat().st_size % 4096 == 0
     assert _same(kv, store.read(7, LAYOUT, kv.crcs))
     store.drop(7)
@@ -107,9 +107,9 @@ def test_disk_round_trip(tmp_path: Path, direct: bool | None) -> None:
 
 def test_disk_corruption_truncation_deletion_are_kv_lost(tmp_path: Path) -> None:
     store = _disk(tmp_path)
-    kv = _kv(3)
-    for rid in (3, 4, 5):
-        store.write(rid, kv.layers, kv.crcs, LAYOUT)
+    kvs = {rid: _kv(rid) for rid in (3, 4, 5)}
+    for held in kvs.values():
+        store.write(held)
     with open(store.path(3), "r+b") as f:  # flip one bit of layer 2's payload
         stride = -(-(128 + LAYOUT.layer_bytes) // 4096) * 4096  # frames are 4 KiB aligned
         f.seek(2 * stride + 128 + 100)
@@ -117,18 +117,18 @@ def test_disk_corruption_truncation_deletion_are_kv_lost(tmp_path: Path) -> None
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte ^ 0x10]))
     with pytest.raises(TierKVLost, match="layer 2"):
-        store.read(3, LAYOUT, kv.crcs)
+        store.read(3, LAYOUT, kvs[3].crcs)
     os.truncate(store.path(4), 4096 * 20)
     with pytest.raises(TierKVLost, match="truncated"):
-        store.read(4, LAYOUT, kv.crcs)
+        store.read(4, LAYOUT, kvs[4].crcs)
     store.path(5).unlink()
     with pytest.raises(TierKVLost, match="deleted"):
-        store.read(5, LAYOUT, kv.crcs)
+        store.read(5, LAYOUT, kvs[5].crcs)
     other = _kv(9)  # a file of another KV under this one's name
-    store.write(9, other.layers, other.crcs, LAYOUT)
+    store.write(other)
     os.replace(store.path(9), store.path(3))
     with pytest.raises(TierKVLost, match="another KV"):
-        store.read(3, LAYOUT, kv.crcs)
+        store.read(3, LAYOUT, kvs[3].crcs)
 
 
 def test_disk_full_is_tier_full(tmp_path: Path) -> None:
@@ -136,11 +136,11 @@ def test_disk_full_is_tier_full(tmp_path: Path) -> None:
     kv = _kv(1)
     store.path(1).symlink_to("/dev/full")  # the kernel answers ENOSPC to every write
     with pytest.raises(TierFull, match="No space left"):
-        store.write(1, kv.layers, kv.crcs, LAYOUT)
+        store.write(kv)
     assert store.used_bytes == 0
     small = _disk(tmp_path, capacity=NBYTES // 2)
     with pytest.raises(TierFull, match="do not fit"):
-        small.write(2, kv.layers, kv.crcs, LAYOUT)
+        small.write(_kv(2))
 
 
 def test_unwritable_or_missing_directory_is_refused(tmp_path: Path) -> None:

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from topkv.policy.tiers import TierSpec
 from topkv.service.errors import ServiceError
-from topkv.service.kvstore import PrefillFailed
+from topkv.service.kvstore import HeldKV, PrefillFailed
 from topkv.service.tier_arena import PAGE, Arena, ArenaFull
 from topkv.transport.base import KVLayout, LayerTensors
 from topkv.transport.emulated import LinkSlots
@@ -92,13 +92,9 @@ class MemoryTierStore:
     def free_bytes(self) -> int:
         return self.arena.capacity - self.arena.used
 
-    def write(
-        self,
-        key: int,
-        layers: Sequence[LayerTensors],
-        crcs: Sequence[tuple[int, ...]],
-        layout: KVLayout,
-    ) -> None:
+    def write(self, kv: HeldKV) -> None:
+        """Copy ``kv``'s tensors into this tier (under its request id)."""
+        key, layers, layout = kv.request_id, kv.layers, kv.layout
         started = time.perf_counter()
         nbytes = layout.total_bytes
         try:
@@ -236,13 +232,9 @@ class DiskTierStore:
     def _flags(self) -> int:
         return os.O_DIRECT if self.direct_io else 0
 
-    def write(
-        self,
-        key: int,
-        layers: Sequence[LayerTensors],
-        crcs: Sequence[tuple[int, ...]],
-        layout: KVLayout,
-    ) -> None:
+    def write(self, kv: HeldKV) -> None:
+        """Copy ``kv``'s tensors into this tier (under its request id)."""
+        key, layers, crcs, layout = kv.request_id, kv.layers, kv.crcs, kv.layout
         frames = [
             self._frame(key, i, layer, crc, layout)
             for i, (layer, crc) in enumerate(zip(layers, crcs, strict=True))

@@ -192,7 +192,7 @@ class TieredKV:
             started = time.perf_counter()
             try:
                 with kv.use():
-                    store.write(rid, kv.layers, kv.crcs, kv.layout)
+                    store.write(kv)
             except (TierFull, TierWriteFailed) as exc:
                 kind = "full" if isinstance(exc, TierFull) else "write_failed"
                 with self._lock:

@@ -31,18 +31,8 @@ import statistics
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from topkv.policy import tiers as policy
 from topkv.policy.clock import ManualClock
-from topkv.policy.tiers import (
-    PAPER_TIERS,
-    Resident,
-    Running,
-    TierModel,
-    TierSpec,
-    admit_to_disk,
-    choose_victims,
-    next_use_s,
-    place,
-)
 from topkv.sim.cluster import SimCluster
 from topkv.sim.compute import ComputeModel
 from topkv.sim.errors import SimError
@@ -67,8 +57,8 @@ def parse_layouts(text: str) -> list[str]:
 
 
 def instance_tiers(
-    compute: ComputeModel, layout: str, paper: dict[str, TierSpec]
-) -> list[TierSpec]:
+    compute: ComputeModel, layout: str, paper: dict[str, policy.TierSpec]
+) -> list[policy.TierSpec]:
     """The tiers one decode instance of ``compute.tp`` GPUs has under ``layout``."""
     share = compute.tp / GPUS_PER_NODE
     hbm_bw = compute.tp * compute.gpu.hbm_bandwidth * compute.mbu / 1e9
@@ -84,10 +74,10 @@ def instance_tiers(
     return out
 
 
-def calibrated(bench: dict[str, Any]) -> dict[str, TierSpec]:
+def calibrated(bench: dict[str, Any]) -> dict[str, policy.TierSpec]:
     """Table 3 with this host's measured figures where ``benchmarks/tiers.py`` has them
     (NVMe: the disk tier's read bandwidth; host DRAM: the host tier's get)."""
-    tiers = dict(PAPER_TIERS)
+    tiers = dict(policy.PAPER_TIERS)
     if isinstance(bench.get("disk_read_gbps"), float | int) and bench["disk_read_gbps"] > 0:
         tiers["nvme"] = replace(tiers["nvme"], bandwidth_gbps=float(bench["disk_read_gbps"]))
     if isinstance(bench.get("host_get_gbps"), float | int) and bench["host_get_gbps"] > 0:
@@ -154,14 +144,14 @@ class _Instance:
     """One decode instance's tiers, sequences and clock."""
 
     def __init__(
-        self, compute: ComputeModel, tiers: list[TierSpec], max_batch: int, slo_s: float
+        self, compute: ComputeModel, tiers: list[policy.TierSpec], max_batch: int, slo_s: float
     ) -> None:
         self.compute = compute
         self.slo_s = slo_s
         self.tiers = tiers
         self.by_name = {t.name: t for t in tiers}
         self.free = {t.name: t.capacity_bytes for t in tiers}
-        self.model = TierModel(tiers, ManualClock())
+        self.model = policy.TierModel(tiers, ManualClock())
         self.max_batch = max_batch
         self.admitted: list[_Seq] = []
         self.moved: dict[str, int] = {}
@@ -173,9 +163,9 @@ class _Instance:
         """Seconds until each held sequence (and ``extra``, queued last) is decoded next:
         the last step's batch size is the number of decode slots."""
         slots = self.slots
-        running = [Running(s.rid, s.tokens - s.done_tokens) for s in self.admitted[:slots]]
+        running = [policy.Running(s.rid, s.tokens - s.done_tokens) for s in self.admitted[:slots]]
         waiting = [s.rid for s in self.admitted[slots:]] + ([] if extra is None else [extra])
-        return next_use_s(running, waiting, slots=slots, step_s=self.step_s,
+        return policy.next_use_s(running, waiting, slots=slots, step_s=self.step_s,
                           tokens_per_request=self.mean_tokens)  # fmt: skip
 
     def _move(self, s: _Seq, dst: str) -> float:
@@ -193,9 +183,9 @@ class _Instance:
         """Demote least-soon-needed sequences out of ``tier`` (never those in ``keep``)."""
         if self.free[tier] >= nbytes:
             return True
-        residents = [Resident(s.rid, s.tier, s.kv_bytes, s.last_use_s, s.rid in keep)
+        residents = [policy.Resident(s.rid, s.tier, s.kv_bytes, s.last_use_s, s.rid in keep)
                      for s in self.admitted if s.tier == tier]  # fmt: skip
-        victims = choose_victims(residents, self._needed(), nbytes, self.free[tier])
+        victims = policy.choose_victims(residents, self._needed(), nbytes, self.free[tier])
         if victims is None:
             return False
         lower = [
@@ -205,7 +195,7 @@ class _Instance:
         ]
         by_rid = {s.rid: s for s in self.admitted}
         for v in victims:
-            target = place(v.nbytes, lower, self.free)
+            target = policy.place(v.nbytes, lower, self.free)
             if target is None:
                 return False
             self._move(by_rid[v.request_id], target.name)
@@ -214,8 +204,8 @@ class _Instance:
     def admit(self, s: _Seq) -> bool:
         needed_in = self._needed(s.rid)[s.rid]
         disk = next((t.name for t in self.tiers if t.kind == "disk"), None)
-        allow_disk = disk is None or admit_to_disk(needed_in, s.kv_bytes, self.model, disk)
-        target = place(s.kv_bytes, self.tiers, self.free, allow_disk=allow_disk)
+        allow_disk = disk is None or policy.admit_to_disk(needed_in, s.kv_bytes, self.model, disk)
+        target = policy.place(s.kv_bytes, self.tiers, self.free, allow_disk=allow_disk)
         if target is None:
             return False
         s.tier = target.name
@@ -239,7 +229,7 @@ class _Instance:
                 self._move(s, hbm)
             elif self.by_name[s.tier].kind == "disk":
                 memory = [t for t in self.tiers if t.kind != "disk"]
-                target = place(s.kv_bytes, memory, self.free)
+                target = policy.place(s.kv_bytes, memory, self.free)
                 if target is not None:
                     self._move(s, target.name)
 
@@ -276,7 +266,7 @@ class _Instance:
         if not running:  # everything needed is on disk: read the first back, stalling
             s = self.admitted[0]
             memory = [t for t in self.tiers if t.kind != "disk"]
-            target = place(s.kv_bytes, memory, self.free)
+            target = policy.place(s.kv_bytes, memory, self.free)
             stall = self._move(s, target.name) if target is not None else self.step_s
             return stall, []
         hbm = self.tiers[0].name
@@ -313,7 +303,7 @@ def run_tier_layout(
     max_batch: int = 256,
     slo_tpot_s: float = 0.1,
     slo_wait_s: float = 2.0,
-    paper: dict[str, TierSpec] | None = None,
+    paper: dict[str, policy.TierSpec] | None = None,
 ) -> TierRunResult:
     """Simulate the decode pool of ``decode_instances`` instances under ``layout``.
 
@@ -322,7 +312,7 @@ def run_tier_layout(
     a place in the batch: that wait adds straight to their time to first token)."""
     if decode_instances < 1:
         raise SimError(f"a decode pool needs at least one instance, got {decode_instances}")
-    tiers = instance_tiers(compute, layout, dict(paper or PAPER_TIERS))
+    tiers = instance_tiers(compute, layout, dict(paper or policy.PAPER_TIERS))
     result = TierRunResult(layout, requests=len(workload.requests))
     result.tiers = [{"name": t.name, "capacity_bytes": t.capacity_bytes,
                      "bandwidth_gbps": t.bandwidth_gbps, "latency_ns": t.latency_s * 1e9}
@@ -380,7 +370,7 @@ def compare_layouts(
     workload: Workload,
     layouts: list[str],
     *,
-    paper: dict[str, TierSpec] | None = None,
+    paper: dict[str, policy.TierSpec] | None = None,
 ) -> dict[str, Any]:
     """Every layout on the same requests, over the decode pool ``config`` builds."""
     tp = config.resolved_tp()
