@@ -146,28 +146,47 @@ def test_chat_streamed_and_not_and_models(stack: Stack) -> None:
     assert streamed == text
 
 
-def test_a_corrupted_layer_frame_is_caught_and_the_request_still_completes(stack: Stack) -> None:
-    prompt = _prompt(300, seed=1000)
-    want = stack.reference(prompt)
-    transfer = 990001
-    destination = "shm://" + shm_socket_path(str(stack.shm_dir), "decode0")
+def _direct(stack: Stack, prompt: list[int], transfer: int, medium: str, **topkv: str) -> Any:
+    """Prefill then decode, called directly with the connector's kv_transfer_params."""
+    decode = stack.router.server.registry.get("decode0")
+    assert decode is not None
+    destination = (
+        "shm://" + shm_socket_path(str(stack.shm_dir), "decode0")
+        if medium == "shm"
+        else decode.address
+    )
     _post(
         stack.prefill.url + "/v1/completions",
         {"model": "tiny-llama", "prompt": prompt, "max_tokens": 1, "temperature": 0,
          "kv_transfer_params": {"do_remote_decode": True, "topkv": {
-             "transfer_id": transfer, "destination": destination, "fault": "corrupt"}}},
+             "transfer_id": transfer, "destination": destination, **topkv}}},
     )  # fmt: skip
-    answer = _post(
+    return _post(
         stack.decode.url + "/v1/completions",
         {"model": "tiny-llama", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
          "ignore_eos": True, "return_token_ids": True,
          "kv_transfer_params": {"do_remote_prefill": True,
-                                "topkv": {"transfer_id": transfer, "medium": "shm"}}},
+                                "topkv": {"transfer_id": transfer, "medium": medium}}},
     )  # fmt: skip
+
+
+def test_tcp_the_medium_across_hosts_is_token_identical_too(stack: Stack) -> None:
+    prompt = _prompt(450, seed=2000)
+    answer = _direct(stack, prompt, 990002, "tcp")
+    assert answer["choices"][0]["token_ids"] == stack.reference(prompt)
+    topkv = answer["kv_transfer_params"]["topkv"]
+    assert topkv["verified"] and topkv["medium"] == "tcp"
+    assert topkv["kv_bytes"] == 450 * BYTES_PER_TOKEN
+
+
+def test_a_corrupted_layer_frame_is_caught_and_the_request_still_completes(stack: Stack) -> None:
+    prompt = _prompt(300, seed=1000)
+    want = stack.reference(prompt)
+    answer = _direct(stack, prompt, 990001, "shm", fault="corrupt")
     assert answer["choices"][0]["token_ids"] == want  # vLLM recomputed the rejected blocks
     topkv = answer["kv_transfer_params"]["topkv"]
     assert topkv == {
-        "transfer_id": transfer, "medium": "shm", "kv_bytes": 0,
+        "transfer_id": 990001, "medium": "shm", "kv_bytes": 0,
         "verified": False, "recomputed": True,
     }  # fmt: skip
     log = stack.decode.log_tail(5000)

@@ -72,6 +72,7 @@ def start_vllm(
     max_model_len: int = 1024,
     dtype: str = "float32",
     python: str = sys.executable,
+    env: dict[str, str] | None = None,
 ) -> VllmInstance:
     """Start one instance under ``supervisor`` (returns at once; see :func:`wait_healthy`).
 
@@ -89,6 +90,7 @@ def start_vllm(
     if kv_config is not None:
         argv += ["--kv-transfer-config", json.dumps(kv_config)]
     env = {
+        **(env or {}),
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "HF_HUB_OFFLINE": "1",
         "VLLM_CPU_OMP_THREADS_BIND": cpu,

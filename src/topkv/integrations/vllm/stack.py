@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,7 +95,7 @@ def start_pd_instances(
             start_vllm(
                 supervisor, name, model_dir, port, cpu=str(index % cores),
                 kv_config=kv_transfer_config(kv_role, extra), max_model_len=max_model_len,
-                **({"python": python} if python else {}),
+                python=python or sys.executable,
             )
         )  # fmt: skip
     return instances
