@@ -151,6 +151,8 @@ def _row_device(cells: dict[str, str], parent: str | None) -> BlockDevice:
 
 def _from_text(lines: list[str]) -> list[BlockDevice]:
     rows = [line for line in lines if line.strip()]
+    if not rows:
+        raise ParseError("lsblk: no output lines")
     header = _spans(rows[0])
     if not header or header[0][2] != "NAME":
         raise ParseError(f"lsblk: first line {rows[0][:60]!r} is not a header starting NAME")
