@@ -96,8 +96,22 @@ def verdict(rows: list[dict[str, object]]) -> dict[str, object]:
 
 
 def table(rows: list[dict[str, object]]) -> str:
+    head = (
+        "cluster",
+        "trace",
+        "stragglers",
+        "router",
+        "TTFT p50",
+        "TTFT p99",
+        "TPOT p50",
+        "TPOT p99",
+        "goodput rps",
+        "dispatch GB (by class)",
+        "KV GB (by class)",
+        "to straggler group",
+    )
     lines = [
-        "| cluster | trace | stragglers | router | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | goodput rps | dispatch GB (by class) | KV GB (by class) | to straggler group |",
+        "| " + " | ".join(head) + " |",
         "|---|---|---:|---|---:|---:|---:|---:|---:|---|---|---:|",
     ]
     for row in rows:
@@ -106,12 +120,19 @@ def table(rows: list[dict[str, object]]) -> str:
         for name, e in routers.items():
             dispatch = " ".join(f"{k} {v / 1e9:,.0f}" for k, v in e["dispatch_bytes"].items())
             kv = " ".join(f"{k} {v / 1e9:,.1f}" for k, v in e["kv_bytes"].items())
-            lines.append(
-                f"| {row['cluster']} | {row['trace']} x{row['rate_scale']:g} | {row['stragglers']} "
-                f"| {name} | {e['ttft_p50_ms']:.1f} | {e['ttft_p99_ms']:.1f} | {e['tpot_p50_ms']:.1f} "
-                f"| {e['tpot_p99_ms']:.1f} | {e['goodput_rps']:.2f} | {dispatch} | {kv} "
-                f"| {e['routed_to_straggler_group']} |"
-            )
+            times = ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms")
+            cells = [
+                row["cluster"],
+                f"{row['trace']} x{row['rate_scale']:g}",
+                row["stragglers"],
+                name,
+                *(f"{e[k]:.1f}" for k in times),
+                f"{e['goodput_rps']:.2f}",
+                dispatch,
+                kv,
+                e["routed_to_straggler_group"],
+            ]
+            lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
 
 
