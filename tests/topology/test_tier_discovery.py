@@ -107,6 +107,21 @@ def test_json_round_trip(rows: list[tuple[str, int, str]]) -> None:
     assert [(d.name, d.size_bytes, d.type) for d in devs] == rows
 
 
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
+        st.sampled_from(["name", "size", "type", "rota", "tran", "mountpoints", "mountpoint",
+                         "children", "model"]), inner, max_size=6),
+    max_leaves=20,
+)  # fmt: skip
+
+
+@given(st.lists(JSON, max_size=4))
+def test_arbitrary_json_parses_or_raises_parse_error(devices: list[object]) -> None:
+    with contextlib.suppress(ParseError):
+        parse_lsblk(json.dumps({"blockdevices": devices}))
+
+
 @fuzz_arbitrary_text(ALPHABET)
 def test_arbitrary_text_parses_or_raises_parse_error(text: str) -> None:
     with contextlib.suppress(ParseError):

@@ -94,6 +94,8 @@ def _from_json(data: Any) -> list[BlockDevice]:
             raise ParseError(f"lsblk -J: more than {_MAX_DEVICES} block devices")
         size = item.get("size")
         mounts = item.get("mountpoints", [item.get("mountpoint")])
+        if not isinstance(mounts, list):
+            raise ParseError(f"lsblk -J: {item['name'][:40]!r} mountpoints is not a list")
         out.append(
             BlockDevice(
                 name=_TREE.sub("", item["name"]),
