@@ -63,16 +63,24 @@ def _pcts(values: list[float]) -> dict[str, float]:
     return {"p50": statistics.median(ordered), "p90": p90}
 
 
-def _nixl_error() -> str:
+def _nixl_missing() -> str | None:
+    """Why vLLM's NixlConnector cannot run here (None: it can)."""
     try:
         import nixl._api  # noqa: F401
     except ImportError as exc:
         return (
             f"NIXL is not importable in this environment ({exc}); vLLM's NixlConnector "
-            "needs `pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1` in .venv-vllm "
-            "(not run by this benchmark)"
+            "needs `pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1` in .venv-vllm"
         )
-    return "NixlConnector is installed but not wired into this benchmark yet"
+    return None
+
+
+#: vLLM's NixlConnector on the CPU: KV staged in host memory, UCX over tcp/shm.
+NIXL = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+NIXL_PREFILL_PARAMS = {
+    "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+    "remote_block_ids": None, "remote_host": None, "remote_port": None,
+}  # fmt: skip
 
 
 def main() -> None:
@@ -81,7 +89,12 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=12)
     args = parser.parse_args()
     _need_vllm()
-    from topkv.integrations.vllm.launch import kv_transfer_config, start_vllm, wait_healthy
+    from topkv.integrations.vllm.launch import (
+        VllmStartError,
+        kv_transfer_config,
+        start_vllm,
+        wait_healthy,
+    )
     from topkv.integrations.vllm.model import VOCAB_SIZE, write_tiny_llama
     from topkv.service.cluster import Supervisor
 
@@ -104,17 +117,31 @@ def main() -> None:
         "example-prefill": example,
         "example-decode": example,
     }
+    nixl_error = _nixl_missing()
+    envs: dict[str, dict[str, str]] = {}
+    if nixl_error is None:
+        for name in ("nixl-prefill", "nixl-decode"):
+            configs[name] = NIXL
+            envs[name] = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(_port()), "UCX_TLS": "tcp,self,sm"}
     supervisor = Supervisor(root / "logs", grace_s=20)
     instances = {
-        name: start_vllm(supervisor, name, model, _port(), cpu=str(i % 2), kv_config=config)
+        name: start_vllm(
+            supervisor, name, model, _port(), cpu=str(i % 2), kv_config=config,
+            env=envs.get(name),
+        )
         for i, (name, config) in enumerate(configs.items())
-    }
+    }  # fmt: skip
     try:
-        wait_healthy(list(instances.values()), timeout_s=600)
+        nixl_names = [name for name in instances if name.startswith("nixl")]
+        wait_healthy([i for n, i in instances.items() if n not in nixl_names], timeout_s=600)
+        try:
+            wait_healthy([instances[n] for n in nixl_names], timeout_s=300)
+        except VllmStartError as exc:
+            nixl_error = f"NixlConnector instances did not start: {str(exc)[-600:]}"
         rng = random.Random(0)
         lengths = [rng.randrange(100, 901) for _ in range(args.requests)]
-        ttft: dict[str, list[float]] = {"topkv": [], "example": [], "none": []}
-        transfer: dict[str, list[float]] = {"topkv": [], "example": []}
+        ttft: dict[str, list[float]] = {"topkv": [], "example": [], "nixl": [], "none": []}
+        transfer: dict[str, list[float]] = {"topkv": [], "example": [], "nixl": []}
         kv_bytes = 0
         destination = "shm://" + os.path.join(str(root), "topkv-vllm-d.sock")
         base = {"model": "tiny-llama", "max_tokens": 1, "temperature": 0}
@@ -137,6 +164,20 @@ def main() -> None:
             _, dec = _post(url["example-decode"], {**base, "prompt": prompt})
             ttft["example"].append(pre + dec)
             transfer["example"].append(dec)
+            if nixl_error is None:
+                try:
+                    first, pre = _post(
+                        url["nixl-prefill"],
+                        {**base, "prompt": prompt, "kv_transfer_params": NIXL_PREFILL_PARAMS},
+                    )
+                    params = first["kv_transfer_params"]
+                    _, dec = _post(
+                        url["nixl-decode"], {**base, "prompt": prompt, "kv_transfer_params": params}
+                    )
+                    ttft["nixl"].append(pre + dec)
+                    transfer["nixl"].append(dec)
+                except Exception as exc:  # report why, keep the other setups' figures
+                    nixl_error = f"NixlConnector request failed: {exc!r}"
             other = [rng.randrange(VOCAB_SIZE - 2) for _ in range(length)]  # not cached yet
             _, alone = _post(url["topkv-prefill"], {**base, "prompt": other})
             ttft["none"].append(alone)
@@ -151,28 +192,30 @@ def main() -> None:
 
     connectors: dict[str, Any] = {name: entry(name) for name in ("topkv", "example", "none")}
     connectors["topkv"]["kv_bytes"] = kv_bytes
-    connectors["nixl"] = None
-    report = {
+    nixl_ok = nixl_error is None and len(ttft["nixl"]) == len(lengths)
+    connectors["nixl"] = entry("nixl") if nixl_ok else None
+    p50 = {name: entry["ttft_p50_ms"] for name, entry in connectors.items() if entry}
+    report: dict[str, Any] = {
         "requests": len(lengths),
         "prompt_tokens": lengths,
         "connectors": connectors,
-        "nixl_error": _nixl_error(),
         "ratios": {
-            "topkv_vs_example_ttft_p50": connectors["topkv"]["ttft_p50_ms"]
-            / connectors["example"]["ttft_p50_ms"],
-            "topkv_vs_none_ttft_p50": connectors["topkv"]["ttft_p50_ms"]
-            / connectors["none"]["ttft_p50_ms"],
+            f"topkv_vs_{name}_ttft_p50": p50["topkv"] / p50[name] for name in p50 if name != "topkv"
         },
     }
+    if not nixl_ok:
+        report["nixl_error"] = nixl_error or "NixlConnector did not answer every request"
     if args.json:
         print(json.dumps(report, indent=1))
         return
     print(f"{len(lengths)} requests, prompts of {min(lengths)}-{max(lengths)} tokens")
-    for name in ("none", "topkv", "example"):
+    for name in ("none", "topkv", "example", "nixl"):
         e = connectors[name]
+        if e is None:
+            print(f"  {name:8s} not run: {report['nixl_error']}")
+            continue
         print(f"  {name:8s} TTFT p50 {e['ttft_p50_ms']:7.1f} ms  p90 {e['ttft_p90_ms']:7.1f} ms"
               f"  transfer p50 {e['transfer_ms_p50']:6.1f} ms")  # fmt: skip
-    print(f"  nixl     not run: {report['nixl_error']}")
     for key, value in report["ratios"].items():
         print(f"  {key}: {value:.2f}")
 

@@ -22,6 +22,10 @@ test -x "$venv/bin/python" || "$python" -m venv "$venv"
 "$venv/bin/pip" install --quiet --upgrade pip
 "$venv/bin/pip" install --quiet -e '.[vllm]' 'pytest>=8' 'pytest-timeout>=2.3' 'hypothesis>=6.100'
 "$venv/bin/pip" uninstall --yes --quiet torchvision torchaudio torchcodec 2>/dev/null || true
+# NIXL for vLLM's own NixlConnector (benchmarks/vllm_pd.py compares with it); vLLM imports
+# nixl._api from the `nixl` package. Optional: without it the benchmark reports why.
+"$venv/bin/pip" install --quiet --no-deps nixl==1.5.1 nixl-cu12==1.5.1 \
+  || echo "install-vllm: NIXL not installed; vllm_pd.py will report nixl as null" >&2
 "$venv/bin/python" -c "import vllm, topkv.integrations.vllm.connector" 2>&1 | grep -v Triton || true
 "$venv/bin/python" -c "import topkv.integrations.vllm.connector"
 touch "$stamp"
