@@ -15,6 +15,7 @@ from topkv.sim.cluster import load_cluster_spec
 from topkv.sim.errors import SimError
 from topkv.sim.runner import SimConfig
 from topkv.sim.tiers import (
+    DecodePool,
     calibrated,
     compare_layouts,
     instance_tiers,
@@ -25,6 +26,7 @@ from topkv.traces import Request, Workload
 
 CONFIG = SimConfig(model=get_model("Llama-3-70B"), cluster=load_cluster_spec("4x-dgx-h100"))
 COMPUTE = CONFIG.compute_model(CONFIG.resolved_tp())
+ONE = DecodePool()  # one decode instance, the default SLOs
 
 
 def _burst(n: int, prompt: int = 4000, out: int = 200) -> Workload:
@@ -42,8 +44,8 @@ def test_paper_figures_per_instance() -> None:
 
 def test_cxl_holds_more_sequences_without_losing_throughput() -> None:
     work = _burst(300)
-    hbm = run_tier_layout(COMPUTE, work, "hbm", decode_instances=1)
-    cxl = run_tier_layout(COMPUTE, work, "hbm+cxl", decode_instances=1)
+    hbm = run_tier_layout(COMPUTE, work, "hbm", ONE)
+    cxl = run_tier_layout(COMPUTE, work, "hbm+cxl", ONE)
     assert hbm.completed == cxl.completed == 300
     # decode memory is no hard limit: almost the whole burst is held at once
     assert cxl.concurrency_max > 2 * hbm.concurrency_max
@@ -58,7 +60,7 @@ def test_batch_reads_cxl_in_place_when_hbm_is_the_bottleneck_no_more() -> None:
     # Few, short sequences: one step is weight-bound, so a CXL read adds little and the
     # SLO leaves room: nothing waits once admitted.
     work = Workload("short", tuple(Request(i, 0.0, 200, 50) for i in range(20)))
-    cxl = run_tier_layout(COMPUTE, work, "hbm+cxl", decode_instances=1)
+    cxl = run_tier_layout(COMPUTE, work, "hbm+cxl", ONE)
     assert cxl.completed == 20 and max(cxl.queue_s) == 0.0
 
 
@@ -66,8 +68,8 @@ def test_nvme_takes_what_cxl_cannot_and_promotes_it() -> None:
     small = dict(PAPER_TIERS)
     small["cxl"] = replace(small["cxl"], capacity_bytes=50 * 10**9)
     work = _burst(400)
-    two = run_tier_layout(COMPUTE, work, "hbm+cxl", decode_instances=1, paper=small)
-    three = run_tier_layout(COMPUTE, work, "hbm+cxl+nvme", decode_instances=1, paper=small)
+    two = run_tier_layout(COMPUTE, work, "hbm+cxl", DecodePool(paper=small))
+    three = run_tier_layout(COMPUTE, work, "hbm+cxl+nvme", DecodePool(paper=small))
     assert three.concurrency_max > two.concurrency_max
     moved = three.to_dict()["bytes_moved"]
     assert any(k.startswith("nvme->") for k in moved), moved

@@ -294,22 +294,27 @@ def _context(s: _Seq) -> int:
     return s.prompt + s.done_tokens
 
 
-def run_tier_layout(
-    compute: ComputeModel,
-    workload: Workload,
-    layout: str,
-    *,
-    decode_instances: int,
-    max_batch: int = 256,
-    slo_tpot_s: float = 0.1,
-    slo_wait_s: float = 2.0,
-    paper: dict[str, policy.TierSpec] | None = None,
-) -> TierRunResult:
-    """Simulate the decode pool of ``decode_instances`` instances under ``layout``.
+@dataclass(frozen=True)
+class DecodePool:
+    """The decode pool a layout runs on, and its SLOs.
 
     Goodput counts the requests that met the TPOT SLO and waited at most ``slo_wait_s``
     from the end of their prefill to their first decode step (for decode memory, then for
     a place in the batch: that wait adds straight to their time to first token)."""
+
+    decode_instances: int = 1
+    max_batch: int = 256
+    slo_tpot_s: float = 0.1
+    slo_wait_s: float = 2.0
+    paper: dict[str, policy.TierSpec] | None = None  # None: the paper's Table 3
+
+
+def run_tier_layout(
+    compute: ComputeModel, workload: Workload, layout: str, pool: DecodePool
+) -> TierRunResult:
+    """Simulate ``pool`` under ``layout`` on ``workload``."""
+    decode_instances, max_batch, paper = pool.decode_instances, pool.max_batch, pool.paper
+    slo_tpot_s, slo_wait_s = pool.slo_tpot_s, pool.slo_wait_s
     if decode_instances < 1:
         raise SimError(f"a decode pool needs at least one instance, got {decode_instances}")
     tiers = instance_tiers(compute, layout, dict(paper or policy.PAPER_TIERS))
@@ -376,19 +381,8 @@ def compare_layouts(
     tp = config.resolved_tp()
     compute = config.compute_model(tp)
     decode = len(SimCluster.build(config.cluster, tp, config.pd_ratio).decode)
-    runs = [
-        run_tier_layout(
-            compute,
-            workload,
-            layout,
-            decode_instances=decode,
-            max_batch=config.max_decode_batch,
-            slo_tpot_s=config.slo_tpot_s,
-            slo_wait_s=config.slo_ttft_s,
-            paper=paper,
-        ).to_dict()
-        for layout in layouts
-    ]
+    pool = DecodePool(decode, config.max_decode_batch, config.slo_tpot_s, config.slo_ttft_s, paper)
+    runs = [run_tier_layout(compute, workload, layout, pool).to_dict() for layout in layouts]
     return {
         "model": config.model.name,
         "tp": tp,
