@@ -158,3 +158,56 @@ def test_a_deleted_tier_file_fails_that_decode_not_the_tokens(tmp_path: Path) ->
     for result in results:
         if not isinstance(result, AttemptFailed):
             assert result.tokens == expected[result.request_id]
+
+
+async def _full_disk(tmp: Path) -> tuple[Any, Any, str, dict[str, Any]]:
+    """K=1, no memory tier with room, a disk that answers ENOSPC for request 2."""
+    tiers = TierConfig(
+        device_capacity=1, host_bytes=4096, cxl="off", disk_bytes=4 << 20, disk_dir=tmp
+    )
+    (tmp / "kv-2.topkv").symlink_to("/dev/full")
+    registry = MemoryRegistry()
+    prefill = WorkerService(_config("prefill", None), DirectRegistrar(registry))
+    decode = WorkerService(_config("decode", tiers), DirectRegistrar(registry))
+    await prefill.start()
+    await decode.start()
+    disk = decode.tiers.tiers.stores["disk"] if decode.tiers.tiers else None
+    disk.direct_io = False  # type: ignore[union-attr]  # /dev/full takes no O_DIRECT
+    executor = RemoteExecutor(token=ADMIN)
+    assert prefill.info is not None and decode.info is not None
+    try:
+        outcomes: dict[int, Any] = {}
+        firsts = {}
+        for rid, (length, seed) in list(enumerate(PROMPTS, start=1))[:2]:
+            held = await executor.prefill(
+                prefill.info, rid, PrefillRequest(prompt_tokens=length, prompt_seed=seed)
+            )
+            firsts[rid] = held.first_token
+            plan = AttemptPlan(
+                rid, held.model_id, held.layout.to_layout(), prefill.info, decode.info,
+                "nvlink", 1, 30.0,
+            )  # fmt: skip
+            try:
+                outcomes[rid] = await executor.transfer(plan)
+            except AttemptFailed as exc:
+                outcomes[rid] = exc
+        first = await executor.decode(decode.info, 1, firsts[1], NEW_TOKENS)
+        async with (
+            aiohttp.ClientSession() as http,
+            http.get(f"{decode.info.control_url}/metrics") as answer,
+        ):
+            metrics = await answer.text()
+        return outcomes[2], first, metrics, {"held": len(decode.store)}
+    finally:
+        await executor.close()
+        await prefill.stop()
+        await decode.stop()
+
+
+def test_a_full_disk_refuses_the_copy_and_loses_nothing(tmp_path: Path) -> None:
+    refused, first, metrics, info = asyncio.run(_full_disk(tmp_path))
+    assert isinstance(refused, AttemptFailed) and "No space left" in str(refused)
+    assert first.tokens == _expected()[1]  # the held one is untouched
+    assert info["held"] == 1
+    assert 'topkv_kv_tier_failures_total{kind="full",tier="disk"} 1.0' in metrics
+    assert 'topkv_kv_tier_events_total{event="refused"} 1.0' in metrics
