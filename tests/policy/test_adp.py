@@ -353,7 +353,7 @@ def test_a_worker_with_unacknowledged_kv_is_never_converted() -> None:
     assert plan_conversions(fenced, False, False, cfg).unfence == ("d0",)
 
 
-def test_decode_beyond_the_chunked_prefill_reserve_is_not_converted() -> None:
+def test_decode_beyond_the_chunked_prefill_reserve_is_fenced_until_drained() -> None:
     # 30% of 100 slots = 30 sequences may stay; 31 is too many
     workers = _pool(4, d0={"active_decode": 31}, d1={"active_decode": 30})
     cfg = ADPConfig(convert_step=4, max_convert_share=1.0)
@@ -361,6 +361,14 @@ def test_decode_beyond_the_chunked_prefill_reserve_is_not_converted() -> None:
         [w for w in workers if w.worker_id in ("p0", "d0", "d1", "d2")], True, True, cfg
     )
     assert "d0" not in plan.to_prefill and "d1" in plan.to_prefill
+    # chosen beyond the reserve: fenced (no new sequences), converted once drained to it
+    busy = _pool(2, d0={"active_decode": 35}, d1={"active_decode": 40})
+    plan = plan_conversions(busy, True, True)
+    assert plan.to_prefill == () and plan.fence == ("d0",)  # the least loaded, fenced
+    fenced = [replace(w, fenced=True) if w.worker_id == "d0" else w for w in busy]
+    assert plan_conversions(fenced, True, True).to_prefill == ()  # 35 > 30: still draining
+    drained = [replace(w, active_decode=30) if w.worker_id == "d0" else w for w in fenced]
+    assert plan_conversions(drained, True, False, may_convert=False).to_prefill == ("d0",)
 
 
 def test_no_conversion_without_pressure_or_rate_limit() -> None:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import signal
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
@@ -15,6 +17,10 @@ from topkv.cli.console import stdout_console
 from topkv.demo.errors import DemoError
 from topkv.harness.stand_in import DEFAULT_STAND_IN
 from topkv.jsonout import dumps
+
+if TYPE_CHECKING:
+    from topkv.demo.results import RequestResult
+    from topkv.demo.runner import DemoRun
 
 
 def demo_command(
@@ -46,8 +52,18 @@ def demo_command(
         1.5, "--speedup", help="Replay the trace's arrivals this many times faster."
     ),
     trace: Path | None = typer.Option(None, "--trace", help="Azure LLM trace 2023 CSV."),
+    trace_start: int = typer.Option(
+        0, "--trace-start", min=0, help="Replay from the trace's Nth request (0-based)."
+    ),
+    adp: str = typer.Option(
+        "off",
+        "--adp",
+        help="Adaptive Decoder Pool: off, on, or both (the same requests without, then with "
+        "it; the run shown is the one with it).",
+    ),
 ) -> None:
     """Prefill and decode in separate processes with layer-by-layer KV streaming."""
+    from topkv.demo.adaptive import adp_json, adp_text
     from topkv.demo.report import (
         options_json,
         request_json,
@@ -55,7 +71,6 @@ def demo_command(
         summarize,
         summary_text,
     )
-    from topkv.demo.results import Progress
     from topkv.demo.runner import DemoOptions, DemoRun
     from topkv.engine import model_extra_available
     from topkv.engine.deps import INSTALL_HINT
@@ -64,6 +79,8 @@ def demo_command(
 
     if pipelining not in ("on", "off"):
         raise DemoError(f"--pipelining {pipelining!r}: use on or off")
+    if adp not in ("off", "on", "both"):
+        raise DemoError(f"--adp {adp!r}: use off, on or both")
     deployment = Deployment.parse(stand_in)
     options = DemoOptions(
         requests=requests,
@@ -73,7 +90,9 @@ def demo_command(
         dilation=dilation,
         speedup=speedup,
         trace=trace,
+        trace_start=trace_start,
         pipelining=pipelining == "on",
+        adp=adp != "off",
     )
     started = time.perf_counter()
     # reads the trace and the topology: a bad file fails here, before any model or worker
@@ -81,21 +100,12 @@ def demo_command(
     if not model_extra_available():
         raise DemoError(f"the demo runs a real model: {INSTALL_HINT}")
     _interrupt_on_signals()
-    err = Console(stderr=True)
-    with Live(console=err, refresh_per_second=8, transient=False) as live:
-
-        def show(progress: Progress) -> None:
-            from topkv.demo.report import progress_view
-
-            live.update(progress_view(progress))
-
-        run.on_progress = show
-        try:
-            results = run.run()
-        except KeyboardInterrupt:
-            live.stop()
-            err.print("topkv demo: interrupted; every worker process was stopped")
-            raise typer.Exit(130) from None
+    without_adp = None
+    if adp == "both":
+        baseline = DemoRun(replace(options, adp=False), stand_in=deployment.stand_in)
+        without_adp = _run_live(baseline, "without the ADP: ")
+        started = time.perf_counter()
+    results = _run_live(run, "with the ADP: " if adp == "both" else "")
     assert run.dilation is not None  # set by the warm-up of a run that finished
     summary = summarize(results, options, time.perf_counter() - started, run.model_id, run.dilation)
     summary["sim_check"] = sim_check(
@@ -106,19 +116,45 @@ def demo_command(
         decode_slots=options.decode_capacity,
         new_tokens=options.new_tokens,
     )
+    pool = adp_json(run.adp_report, results, without_adp) if run.adp_report is not None else None
     if as_json:
         payload = {
             "requests": [request_json(r) for r in results],
             "summary": summary,
             "options": options_json(options, run.dilation.factor),
         }
+        if pool is not None:
+            payload["adp"] = pool
         sys.stdout.write(dumps(payload) + "\n")
     else:
         out = stdout_console()
         out.print(results_table(results, run.dilation.factor))
         out.print(summary_text(summary))
+        if pool is not None:
+            out.print(adp_text(pool))
     if not summary["all_tokens_identical"]:
         raise typer.Exit(1)
+
+
+def _run_live(run: DemoRun, label: str) -> list[RequestResult]:
+    """Run ``run`` with its progress on stderr; Ctrl-C stops every worker it started."""
+    from topkv.demo.report import progress_view
+    from topkv.demo.results import Progress
+
+    err = Console(stderr=True)
+    with Live(console=err, refresh_per_second=8, transient=False) as live:
+
+        def show(progress: Progress) -> None:
+            live.update(progress_view(progress))
+
+        run.on_progress = show
+        try:
+            results = run.run()
+        except KeyboardInterrupt:
+            live.stop()
+            err.print(f"topkv demo: {label}interrupted; every worker process was stopped")
+            raise typer.Exit(130) from None
+    return results
 
 
 def _interrupt_on_signals() -> None:

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from topkv.demo.adaptive import DemoPool
 from topkv.demo.cluster import DemoWorkers
 from topkv.demo.emulation import Dilation, StandIn, resolve_dilation
 from topkv.demo.errors import DemoError
@@ -99,6 +100,10 @@ class DemoOptions:
     model: DemoModelConfig = field(default_factory=DemoModelConfig)
     #: False: the relay's sends wait for the whole KV (no layer-by-layer streaming)
     pipelining: bool = True
+    #: Run the Adaptive Decoder Pool on the demo's orchestrator (topkv.demo.adaptive)
+    adp: bool = False
+    #: The first trace request replayed (0-based)
+    trace_start: int = 0
 
     def __post_init__(self) -> None:
         if self.new_tokens < 1:
@@ -148,6 +153,7 @@ class DemoRun:
             min_tokens=options.min_tokens,
             max_tokens=options.max_tokens,
             speedup=options.speedup,
+            start=options.trace_start,
         )
         if options.model != DemoModelConfig():
             raise DemoError("the demo's workers serve the default demo model shape only")
@@ -176,6 +182,9 @@ class DemoRun:
         self._copy_ids = itertools.count(_COPY_IDS_FROM)
         self._busy: dict[str, int | None] = {}
         self.attempts_total = 0
+        #: With --adp: the pool during the timed phase, then its report (the "adp" key).
+        self.pool: DemoPool | None = None
+        self.adp_report: dict[str, object] | None = None
 
     # -- public ----------------------------------------------------------------------------
 
@@ -322,10 +331,14 @@ class DemoRun:
             self.workers.registry, self.executor, config=config, pair_view=self._relay_pair_view
         ) as orch:
             self.orch = orch
+            if self.options.adp:
+                self.pool = DemoPool(orch, self.executor, self.options.speedup, orch.clock)
             consumer = asyncio.create_task(self._consume_completions(orch))
             try:
                 await self._replay(orch)
             finally:
+                if self.pool is not None:
+                    self.adp_report = await self.pool.close()
                 consumer.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await consumer
@@ -345,8 +358,16 @@ class DemoRun:
                 state.stage = "queued"
                 state.arrival_s = start + state.request.arrival_s
                 queued.append(state)
+                if self.pool is not None:
+                    self.pool.observe_arrival(state.request.prompt_len)
                 deadline_of[state.rid] = state.arrival_s + self.options.request_timeout_s
-            for worker_id in sorted(busy):
+            serving = sorted(busy)
+            if self.pool is not None:  # prefill goes to the workers the pool names
+                await self.pool.maybe_tick(len(queued))
+                serving = self.pool.prefill_workers()
+                for worker_id in serving:
+                    busy.setdefault(worker_id, None)
+            for worker_id in serving:
                 if busy[worker_id] is None and queued and self._decode_slot_free(orch):
                     state = queued.pop(0)
                     busy[worker_id] = state.rid
@@ -367,9 +388,9 @@ class DemoRun:
         """Admission: start a prefill only when some decode worker can take its KV (slots
         reserved by the relay's routing, less the requests it has yet to route)."""
         free = sum(
-            max(0, self.options.decode_capacity - orch.slots_used(p.worker_id))
-            for p in self.placements
-            if p.role == "decode"
+            max(0, self.options.decode_capacity - orch.slots_used(w.worker_id))
+            for w in orch.view.workers("decode")
+            if self.pool is None or w.worker_id not in self.pool.live.stage
         )
         return free > len(orch.query(TransferState.QUEUED))
 
@@ -449,6 +470,8 @@ class DemoRun:
             self._finish_transfers(state)
             return
         state.decode_worker = completion.destination
+        if self.pool is not None and state.arrival_s:
+            self.pool.observe_ttft(now() - state.arrival_s)
         nbytes = completion.size_bytes
         transport = completion.transport or report.sent.mode
         state.link = self.link_for(

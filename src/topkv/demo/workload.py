@@ -60,10 +60,14 @@ def load_requests(
     min_tokens: int = 128,
     max_tokens: int = 1024,
     speedup: float = 2.0,
+    start: int = 0,
 ) -> list[DemoRequest]:
-    """The first ``count`` requests of ``trace``, scaled for the demo model."""
+    """``count`` requests of ``trace`` from its ``start``-th (0-based; default its first),
+    scaled for the demo model; arrivals count from the first of them."""
     if count < 1:
         raise DemoError(f"--requests must be >= 1, got {count}")
+    if start < 0:
+        raise DemoError(f"--trace-start must be >= 0, got {start}")
     if not 1 <= min_tokens <= max_tokens:
         raise DemoError(f"prompt range [{min_tokens}, {max_tokens}] is empty")
     if not (math.isfinite(speedup) and speedup > 0):
@@ -75,16 +79,21 @@ def load_requests(
         raise DemoError(f"{where}: cannot read the trace: {exc.reason}") from None
     except (ConfigError, OSError) as exc:
         raise DemoError(f"{trace}: cannot read the trace: {exc}") from None
-    rows = workload.requests[:count]
+    rows = workload.requests[start : start + count]
     if len(rows) < count:
-        raise DemoError(f"the trace {trace} has {len(rows)} requests, fewer than {count}")
+        have = len(workload.requests)
+        raise DemoError(
+            f"the trace {trace} has {have} requests: none left for {count} from request {start}"
+            if start
+            else f"the trace {trace} has {have} requests, fewer than {count}"
+        )
     low = min(r.input_tokens for r in rows)
     high = max(r.input_tokens for r in rows)
-    start = rows[0].arrival_s
+    first_s = rows[0].arrival_s
     return [
         DemoRequest(
             rid=index,
-            arrival_s=(row.arrival_s - start) / speedup,
+            arrival_s=(row.arrival_s - first_s) / speedup,
             prompt_len=scale_length(row.input_tokens, low, high, min_tokens, max_tokens),
             trace_prompt_tokens=row.input_tokens,
             trace_output_tokens=row.output_tokens,

@@ -30,9 +30,10 @@ Pieces:
   once the rush has ended. A worker holding KV not yet acknowledged (a transfer in flight
   to or from it) is never converted, in either direction: a decode worker chosen while it
   has some is *fenced* (the caller routes no new KV to it) and converted on a later update
-  once its KV is acknowledged; a worker whose in-flight decode
-  exceeds what chunked prefill keeps (``decode_reserve`` of its slots) is not converted
-  to prefill; a converted worker still prefilling is *drained* (takes no new prefill)
+  once its KV is acknowledged; a worker whose in-flight decode exceeds what chunked
+  prefill keeps (``decode_reserve`` of its slots) is not converted to prefill either: if
+  chosen, it is fenced the same way (no new sequences) until its decode drains to the
+  reserve; a converted worker still prefilling is *drained* (takes no new prefill)
   and converted back on a later update.
 * Chunked prefill on a converted worker: ``chunk_tokens`` (512) per iteration, with
   ``decode_reserve`` (30%) of its decode slots kept for the sequences it was decoding,
@@ -359,18 +360,19 @@ def convert_cap(native_decode: int, config: ADPConfig) -> int:
 
 
 def convertible(w: WorkerView, config: ADPConfig) -> bool:
-    """A native decode worker serving decode may turn prefill now (module docstring)."""
-    return candidate(w, config) and w.unacked_kv == 0
-
-
-def candidate(w: WorkerView, config: ADPConfig) -> bool:
-    """A native decode worker that may be chosen for conversion (once its KV is acked)."""
+    """A native decode worker serving decode may turn prefill now (module docstring): its
+    KV acknowledged and no more decode sequences than the chunked-prefill reserve keeps."""
     return (
-        w.native == "decode"
-        and w.role == "decode"
-        and w.healthy
+        candidate(w)
+        and w.unacked_kv == 0
         and w.active_decode <= config.reserved_slots(w.decode_slots)
     )
+
+
+def candidate(w: WorkerView) -> bool:
+    """A native decode worker that may be chosen for conversion: it is then fenced until
+    :func:`convertible` (its KV acknowledged, its decode drained to the reserve)."""
+    return w.native == "decode" and w.role == "decode" and w.healthy
 
 
 def plan_conversions(
@@ -386,7 +388,9 @@ def plan_conversions(
     (more workers are chosen only then); ``may_convert``: the caller's rate limit
     (``convert_interval_s`` since the last choice). A chosen worker that still has KV not
     acknowledged is *fenced* (no new KV routed to it) and converted on a later update,
-    once its KV is acknowledged: never before.
+    once its KV is acknowledged: never before. The same holds for a chosen worker running
+    more decode sequences than the chunked-prefill reserve keeps: fenced, it gets no new
+    ones, and it is converted once the ones it has drained to the reserve.
     """
     natives = [w for w in workers if w.native == "decode"]
     converted = [w for w in natives if w.converted]
@@ -407,12 +411,12 @@ def plan_conversions(
     if pressure and may_convert and room > 0:
         # idle first, then least loaded, then fewest KV in flight, then id (deterministic)
         pool = sorted(
-            (w for w in natives if not w.fenced and candidate(w, config)),
+            (w for w in natives if not w.fenced and candidate(w)),
             key=lambda w: (w.active_decode, w.unacked_kv, w.worker_id),
         )
         new = pool[: min(room, config.convert_step)]
-    to_prefill = [*ready, *(w for w in new if w.unacked_kv == 0)]
-    fence = [w for w in new if w.unacked_kv > 0]
+    to_prefill = [*ready, *(w for w in new if convertible(w, config))]
+    fence = [w for w in new if not convertible(w, config)]
     total = len(converted) + len(to_prefill)
     if to_prefill or fence:
         why = f"rush: converting {len(to_prefill)}, fencing {len(fence)} ({total}/{cap})"
