@@ -37,7 +37,9 @@ from topkv.service.fencing import EPOCH_HEADER
 pytestmark = pytest.mark.etcd
 
 TOPKV = [sys.executable, "-c", "from topkv.cli.main import app; app()"]
-LEASE_S = 2.0
+#: 4.5 s: the etcd key lives the renew deadline (3 s, whole seconds), so a killed leader is
+#: replaced within 3 s + one retry period (0.6 s) + etcd's expiry sweep (~0.5 s) < 4.5 s
+LEASE_S = 4.5
 RETRY_S = LEASE_S * 2 / 15
 LAYOUT = {"num_layers": 2, "seq_len": 16, "kv_heads": 2, "head_dim": 32, "dtype": "fp16"}
 
@@ -236,7 +238,7 @@ def test_two_orchestrators_one_leader_follower_503_and_sigkill_takeover(
                 killed_at = time.monotonic()
                 assert await _wait_leader(http, group, LEASE_S + 3, watch) == follower
                 takeover = time.monotonic() - killed_at
-                assert takeover <= LEASE_S + 1.2 * RETRY_S + 0.5, takeover
+                assert takeover <= LEASE_S, takeover  # within the lease duration
                 new_epoch = (await _leader_views(http, group))[follower]["epoch"]
                 assert new_epoch > epoch
                 assert watch[0] == 0
@@ -302,6 +304,7 @@ def test_twenty_kill_restart_rounds_never_two_leaders_and_no_transfer_lost(
                     delivered.add(wanted[2])
                     await asyncio.to_thread(group.orchs[leader].wait_ready)
                 assert delivered == set(range(ROUNDS * 3))
+                assert max(takeovers) <= LEASE_S, takeovers  # every takeover within the lease
                 assert watch[0] == 0, f"{watch[0]} samples showed two leaders acting"
                 refused = sum(w.fence.refused for w in cluster.workers.values())
                 print(

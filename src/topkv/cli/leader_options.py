@@ -53,7 +53,9 @@ def leader_elect_config(
     if parsed.kind == "etcd":
         from topkv.relay.leader_etcd import EtcdLeaderBackend
 
-        backend = EtcdLeaderBackend.from_url(parsed.target, lease_s)
+        backend = EtcdLeaderBackend.from_url(
+            parsed.target, lease_s, renew_deadline_s=timing.renew_deadline_s
+        )
     else:
         from topkv.integrations.kubernetes.lease import KubernetesLeaseBackend
 

@@ -1,10 +1,14 @@
 """etcd backend of leader election: one key held under an etcd lease, taken in a transaction.
 
 Layout: ``<prefix>/leader`` holds ``{"holder": ID, "address": URL}`` attached to the
-holder's lease (TTL = the election's lease). Acquiring is a transaction that creates the key
-only if it does not exist (``create_revision == 0``), so of two candidates at most one
-wins; renewing is a keepalive of that lease. A holder that stops renewing (killed, cut off)
-loses its lease after the TTL and etcd deletes the key, so the next try of another
+holder's lease. Its TTL is the renew deadline, rounded up to etcd's whole seconds (and at
+most the election's lease): a holder acts only within the renew deadline of its last
+renewal, so its key may lapse then. A follower takes over a killed holder after at most the
+TTL + one retry period + etcd's expiry sweep (about 0.5 s): within the lease duration for
+leases from 3 s (the default 15 s: 10 + 2 + 0.5 s). Acquiring is a transaction that creates
+the key only if it does not exist (``create_revision == 0``), so of two candidates at most
+one wins; renewing is a keepalive of that lease. A holder that stops renewing (killed, cut
+off) loses its lease after the TTL and etcd deletes the key, so the next try of another
 candidate takes it. The epoch of a leadership is the key's create revision: etcd's global
 revision at the winning transaction, higher for every later leadership.
 
@@ -34,16 +38,25 @@ class EtcdLeaderBackend:
     """Leader lock in etcd; see the module docstring."""
 
     def __init__(
-        self, access: EtcdAccess, lease_s: float, *, timeout_s: float | None = None
+        self,
+        access: EtcdAccess,
+        lease_s: float,
+        *,
+        renew_deadline_s: float | None = None,
+        timeout_s: float | None = None,
     ) -> None:
-        """``timeout_s``: per etcd call (default: a quarter of the lease, at most 5 s)."""
+        """``renew_deadline_s``: the election's (default: the lease, the key then lives a
+        whole lease); ``timeout_s``: per etcd call (default: a quarter of the lease, at
+        most 5 s)."""
         if lease_s < 2:
             raise ConfigError(f"an etcd leader lease must be at least 2 s, got {lease_s}")
         if access.tls is not None:
             access.tls.check()
         self._access = access
-        # etcd leases count whole seconds: round down so a holder never outlives lease_s.
-        self._ttl = math.floor(lease_s)
+        # etcd leases count whole seconds: at least the renew deadline (the holder may act
+        # until then), never beyond the lease
+        hold_s = lease_s if renew_deadline_s is None else renew_deadline_s
+        self._ttl = max(1, min(math.floor(lease_s), math.ceil(hold_s)))
         self._key = access.prefix.rstrip("/") + "/leader"
         timeout = timeout_s if timeout_s is not None else min(5.0, lease_s / 4)
         self._session = EtcdSession(access.endpoint, access.tls, access.login, timeout)
@@ -60,9 +73,13 @@ class EtcdLeaderBackend:
 
     @classmethod
     def from_url(
-        cls, url: str, lease_s: float, env: Mapping[str, str] | None = None
+        cls,
+        url: str,
+        lease_s: float,
+        env: Mapping[str, str] | None = None,
+        renew_deadline_s: float | None = None,
     ) -> EtcdLeaderBackend:
-        return cls(parse_etcd_url(url, env), lease_s)
+        return cls(parse_etcd_url(url, env), lease_s, renew_deadline_s=renew_deadline_s)
 
     def describe(self) -> str:
         return f"{self._access.url()} key {self._key}"
