@@ -55,6 +55,14 @@ def demo_command(
     trace_start: int = typer.Option(
         0, "--trace-start", min=0, help="Replay from the trace's Nth request (0-based)."
     ),
+    device_kv_capacity: int | None = typer.Option(
+        None,
+        "--device-kv-capacity",
+        min=1,
+        help="KV caches each decode worker keeps on its device tier; the rest are demoted to "
+        "host DRAM, emulated CXL and disk, and promoted back for decode (default: no tiers).",
+        show_default=False,
+    ),
     adp: str = typer.Option(
         "off",
         "--adp",
@@ -72,6 +80,7 @@ def demo_command(
         summary_text,
     )
     from topkv.demo.runner import DemoOptions, DemoRun
+    from topkv.demo.tiers import tiers_json, tiers_text
     from topkv.engine import model_extra_available
     from topkv.engine.deps import INSTALL_HINT
     from topkv.harness.sim_check import sim_check
@@ -91,6 +100,7 @@ def demo_command(
         speedup=speedup,
         trace=trace,
         trace_start=trace_start,
+        device_kv_capacity=device_kv_capacity,
         pipelining=pipelining == "on",
         adp=adp != "off",
     )
@@ -116,6 +126,8 @@ def demo_command(
         decode_slots=options.decode_capacity,
         new_tokens=options.new_tokens,
     )
+    if device_kv_capacity is not None:
+        summary["kv_tiers"] = tiers_json(device_kv_capacity, results)
     pool = adp_json(run.adp_report, results, without_adp) if run.adp_report is not None else None
     if as_json:
         payload = {
@@ -132,6 +144,8 @@ def demo_command(
         out.print(summary_text(summary))
         if pool is not None:
             out.print(adp_text(pool))
+        if "kv_tiers" in summary:
+            out.print(tiers_text(summary["kv_tiers"]))
     if not summary["all_tokens_identical"]:
         raise typer.Exit(1)
 

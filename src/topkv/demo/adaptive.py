@@ -86,9 +86,14 @@ class DemoPool:
     async def close(self) -> dict[str, object]:
         """Stop, let conversions in progress finish, and give the ``"adp"`` JSON key:
         ``{"conversions": [{worker, from, to, at_ms, duration_ms}], "rush_periods":
-        [[start_ms, end_ms], ...]}`` (ms since the replay began)."""
+        [[start_ms, end_ms], ...], "failed_conversions": [... "detail"]}`` (ms since the
+        replay began; a failed conversion's ``duration_ms`` is null)."""
         await self.live.close()
-        return self.live.report()
+        report = self.live.report()
+        report["failed_conversions"] = [
+            {**c.to_json(), "detail": c.detail} for c in self.live.conversions if not c.ok
+        ]
+        return report
 
 
 def ttft_p90_ms(results: Sequence[RequestResult]) -> float | None:

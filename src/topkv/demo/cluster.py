@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from topkv.service.cluster import ClusterConfig, LocalCluster, ManagedProcess, W
 from topkv.service.engines import EngineSpec
 from topkv.service.errors import ClusterError
 from topkv.service.registrations import RegistrationServer
+from topkv.service.tier_config import TierConfig
 from topkv.topology.model import Cluster
 
 #: A worker's lease in the demo's registry: long, since the demo watches its processes.
@@ -57,6 +59,7 @@ class DemoWorkers:
         decode_capacity: int,
         prefill_capacity: int,
         run_dir: Path | None = None,
+        tiers: TierConfig | None = None,
     ) -> None:
         check_shared_clock()
         self.placements = list(placements)
@@ -69,7 +72,7 @@ class DemoWorkers:
                 media=MEDIA,
                 engine=engine,
                 placements=[
-                    _placement(p, topology, decode_capacity, prefill_capacity)
+                    _placement(p, topology, decode_capacity, prefill_capacity, tiers)
                     for p in self.placements
                 ],
             ),
@@ -120,10 +123,15 @@ class DemoWorkers:
 
 
 def _placement(
-    placement: Placement, topology: Cluster, decode_capacity: int, prefill_capacity: int
+    placement: Placement,
+    topology: Cluster,
+    decode_capacity: int,
+    prefill_capacity: int,
+    tiers: TierConfig | None,
 ) -> WorkerPlacement:
     """What ``topkv worker`` is told about its emulated GPU (the registry record the demo's
-    topology gives it, :func:`~topkv.demo.topology.worker_info`)."""
+    topology gives it, :func:`~topkv.demo.topology.worker_info`); ``tiers``: the decode
+    workers' KV tiers."""
     capacity = decode_capacity if placement.role == "decode" else prefill_capacity
     info = worker_info(placement, topology, capacity=capacity)
     return WorkerPlacement(
@@ -135,4 +143,14 @@ def _placement(
         nvlink_domain=info.nvlink_domain,
         nvlink=info.capabilities.nvlink,
         rdma=info.capabilities.rdma,
+        tiers=_own_tiers(tiers, placement.worker_id) if placement.role == "decode" else None,
     )
+
+
+def _own_tiers(tiers: TierConfig | None, worker_id: str) -> TierConfig | None:
+    """``tiers`` with a disk directory of the worker's own (created here)."""
+    if tiers is None or tiers.disk_dir is None:
+        return tiers
+    own = tiers.disk_dir / worker_id
+    own.mkdir(parents=True, exist_ok=True)
+    return replace(tiers, disk_dir=own)

@@ -104,6 +104,11 @@ class Decoded:
     kv_verified_s: float
     decode_start_s: float
     decode_end_s: float
+    #: KV tiers (a decode worker with --device-kv-capacity): the tiers this KV visited,
+    #: its promotion time and the part decode waited for (ms); None without tiers.
+    tiers: tuple[str, ...] | None = None
+    promotion_ms: float | None = None
+    exposed_promotion_ms: float | None = None
 
     @classmethod
     def of(cls, worker_id: str, copy: Received, result: DecodeResult) -> Decoded:
@@ -115,6 +120,9 @@ class Decoded:
             kv_verified_s=copy.verified_s,
             decode_start_s=result.started_s,
             decode_end_s=result.ended_s,
+            tiers=tuple(result.tiers) if result.tiers is not None else None,
+            promotion_ms=result.promotion_ms,
+            exposed_promotion_ms=result.exposed_promotion_ms,
         )
 
 

@@ -36,6 +36,8 @@ JSON_REQUEST_KEYS = (
     "queue_ms",
     "decode_ms",
 )
+#: Added to each request with --device-kv-capacity (issue #16).
+TIER_REQUEST_KEYS = ("tiers", "promotion_ms", "exposed_promotion_ms")
 MODEL_TOLERANCE = 0.15
 #: Below this the model check's medians are the same (ms): stamps of different processes,
 #: HTTP answers and thread wake-ups on a shared host do not resolve less. A derived
@@ -50,7 +52,8 @@ def _finite(value: float, digits: int = 3) -> float | None:
 
 def request_json(result: RequestResult) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for key in JSON_REQUEST_KEYS:
+    keys = JSON_REQUEST_KEYS + (TIER_REQUEST_KEYS if result.tiers is not None else ())
+    for key in keys:
         value = getattr(result, key)
         out[key] = _finite(value) if isinstance(value, float) else value
     return out

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from topkv.demo import measure
 from topkv.demo.errors import DemoError
@@ -47,6 +48,10 @@ class RequestResult:
     dilation: float
     attempts: int = 0
     error: str | None = None
+    #: With --device-kv-capacity: the tiers the KV visited, promotion and its exposed part.
+    tiers: list[str] | None = None
+    promotion_ms: float | None = None
+    exposed_promotion_ms: float | None = None
 
 
 @dataclass
@@ -109,7 +114,7 @@ def request_result(
     request = state.request
     nbytes = request.prompt_len * layer_bytes_per_token * layers
     nan = math.nan
-    figures = dict(
+    figures: dict[str, Any] = dict(
         queue_ms=nan, decode_ms=nan,
         prefill_ms=nan, transfer_ms=nan, exposed_ms=nan, modelled_exposed_ms=nan,
         serial_ms=nan, ttft_ms=nan, uniform_rdma_exposed_ms=nan, uniform_rdma_ttft_ms=nan,
@@ -127,7 +132,7 @@ def request_result(
         and state.reference is not None
         and state.decoded.tokens == state.reference.tokens
     )
-    return RequestResult(
+    result = RequestResult(
         id=request.rid,
         transport=link.mode if link else "",
         medium=link.medium if link else "",
@@ -144,6 +149,17 @@ def request_result(
         error=error,
         **figures,
     )
+    return replace(result, **_tier_figures(state.decoded))
+
+
+def _tier_figures(decoded: Decoded | None) -> dict[str, Any]:
+    if decoded is None or decoded.tiers is None:
+        return {}
+    return {
+        "tiers": list(decoded.tiers),
+        "promotion_ms": decoded.promotion_ms,
+        "exposed_promotion_ms": decoded.exposed_promotion_ms,
+    }
 
 
 def _figures(state: RequestState, pipelined: bool) -> dict[str, float]:

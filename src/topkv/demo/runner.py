@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import itertools
 import math
+import tempfile
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
@@ -49,6 +50,7 @@ from topkv.demo.results import (
     RequestState,
     request_result,
 )
+from topkv.demo.tiers import demo_tiers
 from topkv.demo.topology import (
     DEFAULT_FIXTURE,
     DEFAULT_PLACEMENTS,
@@ -104,6 +106,9 @@ class DemoOptions:
     adp: bool = False
     #: The first trace request replayed (0-based)
     trace_start: int = 0
+    #: KV caches each decode worker keeps on its device tier (topkv.demo.tiers); None: no
+    #: tiers (every delivered cache stays where it landed)
+    device_kv_capacity: int | None = None
 
     def __post_init__(self) -> None:
         if self.new_tokens < 1:
@@ -112,6 +117,8 @@ class DemoOptions:
             raise DemoError(f"--dilation must be >= 1, got {self.dilation}")
         if self.decode_capacity < 1:
             raise DemoError(f"decode capacity must be >= 1, got {self.decode_capacity}")
+        if self.device_kv_capacity is not None and self.device_kv_capacity < 1:
+            raise DemoError(f"--device-kv-capacity must be >= 1, got {self.device_kv_capacity}")
 
 
 class _Pacing:
@@ -185,6 +192,8 @@ class DemoRun:
         #: With --adp: the pool during the timed phase, then its report (the "adp" key).
         self.pool: DemoPool | None = None
         self.adp_report: dict[str, object] | None = None
+        #: The workers' logs and (with --device-kv-capacity) their disk tiers.
+        self._run_dir = tempfile.TemporaryDirectory(prefix="topkv-demo-")
 
     # -- public ----------------------------------------------------------------------------
 
@@ -250,12 +259,16 @@ class DemoRun:
             demo_seed=opts.seed if opts.model_path is None else None,
             torch_threads=1,
         )
+        run_dir = Path(self._run_dir.name)
+        capacity = opts.device_kv_capacity
         self.workers = DemoWorkers(
             self.placements,
             self.topology,
             engine,
             decode_capacity=opts.decode_capacity,
             prefill_capacity=PREFILL_CAPACITY,
+            run_dir=run_dir,
+            tiers=demo_tiers(capacity, run_dir) if capacity is not None else None,
         )
         self.executor = DemoExecutor(
             _Pacing(self),
@@ -276,6 +289,7 @@ class DemoRun:
                 await asyncio.wait(set(self._tasks), timeout=5.0)
             await self.executor.close()
             await self.workers.stop()
+            self._run_dir.cleanup()
         self.attempts_total = self.executor.attempts
 
     def _learn_model(self, ready: dict[str, object]) -> None:

@@ -218,17 +218,20 @@ class TieredKV:
             trail.tiers.append(target.name)
             return True
 
-    def _promote(self, rid: int, e: _Entry, *, prefetch: bool) -> None:
+    def _promote(self, rid: int, e: _Entry, *, prefetch: bool, asked_s: float) -> None:
+        """Bring ``e`` back to the device; ``asked_s``: when the promotion was asked for
+        (its time counts from then: a move of the entry before it and the room made for
+        it are part of it, as the decode waiting for it sees)."""
         try:
             if e.lost is not None:  # an earlier read found the copy gone: say so again
                 raise TierKVLost(e.lost)
             if e.tier != DEVICE:
-                self._promote_held(rid, e, prefetch=prefetch)
+                self._promote_held(rid, e, prefetch=prefetch, asked_s=asked_s)
         finally:
             with self._lock:
                 e.incoming = False
 
-    def _promote_held(self, rid: int, e: _Entry, *, prefetch: bool) -> None:
+    def _promote_held(self, rid: int, e: _Entry, *, prefetch: bool, asked_s: float) -> None:
         """Promote ``e`` (its device slot is already counted: ``incoming``)."""
         if not self._evict_until_fits(extra=0):
             with self._lock:
@@ -258,7 +261,7 @@ class TieredKV:
             key = (tier, DEVICE)
             self.bytes_moved[key] = self.bytes_moved.get(key, 0) + kv.layout.total_bytes
         trail = self.trails[rid]
-        trail.promotion_s += seconds
+        trail.promotion_s += time.perf_counter() - asked_s
         trail.tiers.append(DEVICE)
 
     def _evict_until_fits(self, *, extra: int) -> bool:
@@ -340,7 +343,10 @@ class TieredKV:
             if e.tier == DEVICE and (e.busy is None or e.busy.done()):
                 return None
             e.incoming = e.tier != DEVICE or e.incoming
-            return self._chain(e, functools.partial(self._promote, rid, e, prefetch=False))
+            promote = functools.partial(
+                self._promote, rid, e, prefetch=False, asked_s=time.perf_counter()
+            )
+            return self._chain(e, promote)
 
     def end_decode(self, ticket: DecodeTicket, seconds: float, tokens: int) -> None:
         with self._lock:
@@ -389,11 +395,14 @@ class TieredKV:
             for r in chosen:
                 entry = self._entries[r.request_id]
                 entry.incoming = True
-                self._chain(entry, functools.partial(self._promote_quietly, r.request_id, entry))
+                asked = time.perf_counter()
+                self._chain(
+                    entry, functools.partial(self._promote_quietly, r.request_id, entry, asked)
+                )
 
-    def _promote_quietly(self, rid: int, e: _Entry) -> None:
+    def _promote_quietly(self, rid: int, e: _Entry, asked_s: float) -> None:
         try:
-            self._promote(rid, e, prefetch=True)
+            self._promote(rid, e, prefetch=True, asked_s=asked_s)
         except TierKVLost as exc:
             log.warning("prefetch of request %s failed: %s", rid, exc)
 

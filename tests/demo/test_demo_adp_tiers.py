@@ -1,0 +1,98 @@
+"""``topkv demo --adp`` (issue #15) and ``--device-kv-capacity`` (issue #16): the pool's
+time scale, the JSON they add, and one live run with both, every request checked."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+from demo_results import result
+from test_demo_cli import KEYS, _run_demo
+
+from topkv.demo.adaptive import adp_json, demo_adp_config, ttft_p90_ms
+from topkv.demo.report import JSON_REQUEST_KEYS, TIER_REQUEST_KEYS, request_json
+from topkv.demo.results import RequestResult
+from topkv.demo.tiers import tiers_json
+from topkv.jsonout import loads_strict
+from topkv.policy.adp import DEFAULT_ADP
+
+
+def _result(rid: int, ttft_ms: float, **over: object) -> RequestResult:
+    error = over.pop("error", None)
+    base = result(rid, 128, 0.0, error=error)  # type: ignore[arg-type]
+    return dataclasses.replace(base, ttft_ms=ttft_ms, **over)  # type: ignore[arg-type]
+
+
+def test_the_pools_time_constants_follow_the_replay_speed() -> None:
+    cfg = demo_adp_config(4.0)
+    assert cfg.velocity_window_s == DEFAULT_ADP.velocity_window_s / 4 == 2.5
+    assert cfg.baseline_window_s == 75.0 and cfg.queue_window_s == 2.5
+    assert cfg.ttft_window_s == 15.0 and cfg.hold_s == 7.5 and cfg.convert_interval_s == 1.25
+    # a rate grows: 5 more requests queued over the (shorter) window, as in trace time
+    assert cfg.queue_growth_per_s * cfg.queue_window_s == pytest.approx(
+        DEFAULT_ADP.queue_growth_per_s * DEFAULT_ADP.queue_window_s
+    )
+    # ratios and the SLO on real compute stay
+    for name in ("velocity_spike_ratio", "ttft_target_s", "max_convert_share", "decode_reserve"):
+        assert getattr(cfg, name) == getattr(DEFAULT_ADP, name)
+    assert demo_adp_config(1.0) == DEFAULT_ADP
+
+
+def test_adp_json_adds_the_p90_and_with_both_the_run_without() -> None:
+    report: dict[str, object] = {"conversions": [], "rush_periods": [[1.0, 2.0]]}
+    on = [_result(i, float(t)) for i, t in enumerate((100, 200, 300, 400, 500))]
+    off = [_result(i, float(t) * 2) for i, t in enumerate((100, 200, 300, 400, 500))]
+    failed = _result(9, math.nan, error="boom")
+    assert ttft_p90_ms([*on, failed]) == pytest.approx(460.0)
+    single = adp_json(report, on)
+    assert single == {**report, "ttft_p90_ms": pytest.approx(460.0)}
+    both = adp_json(report, on, off)
+    assert both["without_adp"] == {"ttft_p90_ms": pytest.approx(920.0)}
+    assert both["ttft_p90_lower_with_adp"] is True
+    assert adp_json(report, off, on)["ttft_p90_lower_with_adp"] is False
+    assert adp_json(report, [failed], on)["ttft_p90_lower_with_adp"] is False
+
+
+def test_tier_keys_only_on_requests_served_with_tiers() -> None:
+    plain = _result(0, 10.0)
+    assert list(request_json(plain)) == list(JSON_REQUEST_KEYS)
+    tiered = _result(1, 10.0, tiers=["device", "host", "device"], promotion_ms=0.5,
+                     exposed_promotion_ms=0.0)  # fmt: skip
+    row = request_json(tiered)
+    assert list(row) == [*JSON_REQUEST_KEYS, *TIER_REQUEST_KEYS]
+    assert row["tiers"] == ["device", "host", "device"]
+    kept = _result(2, 10.0, tiers=["device"], promotion_ms=0.0, exposed_promotion_ms=0.0)
+    summary = tiers_json(1, [tiered, kept, _result(3, 1.0, error="x", tiers=["device"])])
+    assert summary["device_capacity"] == 1
+    assert summary["requests_demoted"] == 1
+    assert summary["visited"] == {"device": 2, "host": 1}
+    assert summary["promotion_ms"]["p50"] == pytest.approx(0.25)
+
+
+def test_live_adp_and_tiers_keep_every_request_and_its_tokens() -> None:
+    # a real burst of the packaged trace (its requests 3,571-3,590 arrive 4x faster than
+    # the 20 before), K = 1 cache on each decode worker's device tier
+    process, stdout, stderr = _run_demo(
+        "--requests", "40", "--trace-start", "3551", "--speedup", "2", "--json",
+        "--adp", "on", "--device-kv-capacity", "1", "--dilation", "100",
+    )  # fmt: skip
+    assert process.returncode == 0, stderr[-3000:]
+    report = loads_strict(stdout)
+    assert set(report) == {"requests", "summary", "options", "adp"}
+    summary = report["summary"]
+    assert summary["all_tokens_identical"] is True and summary["completed"] == 40
+    for row in report["requests"]:
+        assert set(row) == KEYS | set(TIER_REQUEST_KEYS)
+        assert row["tiers"][0] == "device" and row["tiers"][-1] == "device"
+        assert 0 <= row["exposed_promotion_ms"] <= row["promotion_ms"] + 1e-6
+    kv = summary["kv_tiers"]
+    assert kv["device_capacity"] == 1 and kv["visited"]["device"] == 40
+    adp = report["adp"]
+    assert {"conversions", "rush_periods", "ttft_p90_ms", "failed_conversions"} <= set(adp)
+    for c in adp["conversions"]:
+        assert set(c) == {"worker", "from", "to", "at_ms", "duration_ms"}
+        assert c["worker"].startswith("decode") and {c["from"], c["to"]} == {"decode", "prefill"}
+        assert c["duration_ms"] >= 0
+    for start, end in adp["rush_periods"]:
+        assert 0 <= start <= end
