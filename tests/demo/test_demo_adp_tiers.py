@@ -85,7 +85,9 @@ def test_live_adp_and_tiers_keep_every_request_and_its_tokens() -> None:
     for row in report["requests"]:
         assert set(row) == KEYS | set(TIER_REQUEST_KEYS)
         assert row["tiers"][0] == "device" and row["tiers"][-1] == "device"
-        assert 0 <= row["exposed_promotion_ms"] <= row["promotion_ms"] + 1e-6
+        assert row["promotion_ms"] >= 0 and row["exposed_promotion_ms"] >= 0
+        if row["tiers"] == ["device"]:  # never demoted: nothing to promote, nothing waited
+            assert row["promotion_ms"] == row["exposed_promotion_ms"] == 0
     kv = summary["kv_tiers"]
     assert kv["device_capacity"] == 1 and kv["visited"]["device"] == 40
     adp = report["adp"]

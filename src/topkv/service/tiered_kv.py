@@ -342,6 +342,10 @@ class TieredKV:
             self._running[rid] = tokens
             if e.tier == DEVICE and (e.busy is None or e.busy.done()):
                 return None
+            if e.incoming and e.busy is not None and not e.busy.done():
+                # a prefetch is bringing it back: wait for that one itself, not for a job
+                # queued behind it on the I/O threads
+                return _when_back(e.busy, e)
             e.incoming = e.tier != DEVICE or e.incoming
             promote = functools.partial(
                 self._promote, rid, e, prefetch=False, asked_s=time.perf_counter()
@@ -454,3 +458,18 @@ def open_tiered_kv(config: TierConfig, inventory: TierInventory | None = None) -
         f"{inventory.sources.get('gpu', '?')}), {config.device_capacity} KV caches",
     )
     return TieredKV(config, stores, device)
+
+
+def _when_back(promotion: Future[None], e: _Entry) -> Future[None]:
+    """A future done with ``promotion`` (a prefetch, which logs its own failure): it fails
+    with :class:`TierKVLost` when the copy could not be read back."""
+    back: Future[None] = Future()
+
+    def finish(_done: Future[None]) -> None:
+        if e.lost is not None:
+            back.set_exception(TierKVLost(e.lost))
+        else:
+            back.set_result(None)
+
+    promotion.add_done_callback(finish)
+    return back
