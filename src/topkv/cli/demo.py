@@ -55,6 +55,9 @@ def demo_command(
     trace_start: int = typer.Option(
         0, "--trace-start", min=0, help="Replay from the trace's Nth request (0-based)."
     ),
+    decode_capacity: int = typer.Option(
+        2, "--decode-capacity", min=1, help="Concurrent decode sequences per decode worker."
+    ),
     device_kv_capacity: int | None = typer.Option(
         None,
         "--device-kv-capacity",
@@ -69,8 +72,19 @@ def demo_command(
         help="Adaptive Decoder Pool: off, on, or both (the same requests without, then with "
         "it; the run shown is the one with it).",
     ),
+    engine: str = typer.Option(
+        "hf",
+        "--engine",
+        help="hf (TopKV's own workers) or vllm (the same requests through real vLLM "
+        "instances with TopKVConnector; needs scripts/install-vllm.sh).",
+    ),
 ) -> None:
     """Prefill and decode in separate processes with layer-by-layer KV streaming."""
+    if engine not in ("hf", "vllm"):
+        raise DemoError(f"--engine {engine!r}: use hf or vllm")
+    if engine == "vllm":
+        _run_vllm(requests, as_json, seed, new_tokens, speedup, trace, trace_start)
+        return
     from topkv.demo.adaptive import adp_json, adp_text
     from topkv.demo.report import (
         options_json,
@@ -101,6 +115,7 @@ def demo_command(
         trace=trace,
         trace_start=trace_start,
         device_kv_capacity=device_kv_capacity,
+        decode_capacity=decode_capacity,
         pipelining=pipelining == "on",
         adp=adp != "off",
     )
@@ -146,6 +161,39 @@ def demo_command(
             out.print(adp_text(pool))
         if "kv_tiers" in summary:
             out.print(tiers_text(summary["kv_tiers"]))
+    if not summary["all_tokens_identical"]:
+        raise typer.Exit(1)
+
+
+def _run_vllm(
+    requests: int,
+    as_json: bool,
+    seed: int,
+    new_tokens: int,
+    speedup: float,
+    trace: Path | None,
+    trace_start: int,
+) -> None:
+    """``--engine vllm`` (docs/vllm.md): exit 1 when any request's tokens differ."""
+    from topkv.integrations.vllm.demo_run import VllmDemoOptions, run_vllm_demo
+
+    options = VllmDemoOptions(requests, seed, new_tokens, speedup, trace, trace_start)
+    payload = run_vllm_demo(options)
+    summary = payload["summary"]
+    if as_json:
+        sys.stdout.write(dumps(payload) + "\n")
+    else:
+        for r in payload["requests"]:
+            typer.echo(
+                f"request {r['id']:3d}  prompt {r['prompt_len']:5d}  {r['transport'] or '-':4s}  "
+                f"{r['bytes'] or 0:9d} B  TTFT {r['ttft_ms'] or 0:8.1f} ms  "
+                f"identical {r['tokens_identical']}" + (f"  {r['error']}" if r["error"] else "")
+            )
+        ttft = summary["ttft_ms"] or {}
+        typer.echo(
+            f"vLLM: {summary['tokens_identical']}/{summary['requests']} token-identical, "
+            f"TTFT p50 {ttft.get('p50')} ms, p95 {ttft.get('p95')} ms"
+        )
     if not summary["all_tokens_identical"]:
         raise typer.Exit(1)
 

@@ -11,6 +11,9 @@ orchestrator's transfer API neither needs nor should carry). Endpoints:
   request with ``kv_transfer_params`` naming the transfer, and its answer (or stream) goes
   back to the client as it comes. A decode instance that cannot be reached is dropped from
   the registry and the request is tried once more on another; none left: 503.
+  Every decode answer carries ``X-TopKV-Transfer-Id``, ``-Medium``, ``-KV-Bytes-Sent``
+  (what the prefill reported), ``-Prefill`` and ``-Decode`` (the instances): a streamed
+  answer has no ``kv_transfer_params``.
 * ``GET /v1/models``: a decode instance's list. ``GET /metrics``: Prometheus text.
 * ``/v1/workers`` (register, heartbeat, deregister): the vLLM instances' registrations,
   with worker tokens, exactly as on ``topkv orchestrator``.
@@ -194,8 +197,17 @@ class Router:
                     return web.Response(
                         body=answer, status=prefill.status, content_type="application/json"
                     )
-                self._count_sent(answer)
+                sent = self._count_sent(answer)
             self.metrics.prefill.observe(time.perf_counter() - started)
+            # what the prefill reported, for a streamed answer (which carries no
+            # kv_transfer_params): the transfer, its medium and the bytes sent
+            headers = {
+                "X-TopKV-Transfer-Id": str(transfer_id),
+                "X-TopKV-Medium": route.medium,
+                "X-TopKV-KV-Bytes-Sent": str(sent if sent is not None else ""),
+                "X-TopKV-Prefill": ids[0],
+                "X-TopKV-Decode": ids[1],
+            }
             self.metrics.transfers.labels(route.medium).inc()
             decode_body = {
                 **body,
@@ -213,9 +225,10 @@ class Router:
                         self._count_loaded(answer)
                     self.metrics.requests.labels(path, str(decode.status)).inc()
                     return web.Response(
-                        body=answer, status=decode.status, content_type="application/json"
-                    )
-                out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+                        body=answer, status=decode.status, content_type="application/json",
+                        headers=headers,
+                    )  # fmt: skip
+                out = web.StreamResponse(headers={"Content-Type": "text/event-stream", **headers})
                 await out.prepare(request)
                 try:
                     async for chunk in decode.content.iter_any():
@@ -230,10 +243,13 @@ class Router:
         finally:
             self.picker.in_flight.subtract(ids)
 
-    def _count_sent(self, answer: bytes) -> None:
+    def _count_sent(self, answer: bytes) -> int | None:
+        """Count the bytes the prefill reports it sent; returns them (None: not reported)."""
         part = _topkv_params(answer)
         if part is not None and isinstance(part.get("kv_bytes"), int):
             self.metrics.kv_bytes.labels("sent").inc(part["kv_bytes"])
+            return int(part["kv_bytes"])
+        return None
 
     def _count_loaded(self, answer: bytes) -> None:
         part = _topkv_params(answer)
