@@ -8,23 +8,19 @@ One worker is one GPU slot in the prefill or the decode pool. It
 * offers every medium its host has (:mod:`topkv.service.worker_media`: tcp, shm, and nixl,
   mooncake, cuda when installed) and lists them in its registration; the tcp and shm sinks
   listen from the start, an engine medium's sink from its first receive;
-* holds KV caches (:mod:`topkv.service.kvstore`): a prefill worker's from the moment its
-  prefill starts (a send streams each layer as it is published), a decode worker's as they
-  arrive verified;
-* registers itself, with a heartbeat, in an etcd registry directly or through the
-  orchestrator's HTTP API (when the orchestrator keeps an embedded registry);
+* holds KV caches (:mod:`topkv.service.kvstore`): a prefill worker's from its prefill's
+  start (a send streams each layer as it is published), a decode worker's as they land;
+* registers itself, with a heartbeat, in etcd or through the orchestrator's HTTP API;
 * answers a small control API (see ``docs/services.md``) through which the orchestrator's
   :class:`~topkv.service.remote_executor.RemoteExecutor` drives each transfer attempt:
   ``POST /v1/receive`` on the destination, ``POST /v1/send`` on the source,
   ``POST /v1/kv/{id}/wait`` on the destination, ``DELETE /v1/kv/{id}`` on either side;
   ``POST /v1/kv/{id}/prefill`` and ``POST /v1/kv/{id}/decode`` run the engine.
 
-The same class runs in-process (tests) and as ``topkv worker``. Fault injection (for
-``topkv chaos``; off unless ``$TOPKV_FAULTS`` or :attr:`WorkerConfig.faults` asks):
-:class:`WorkerFaults` can flip one bit in the frames of a fraction of this worker's outgoing
-transfers *after* their CRC-64 was taken (the receiver must catch it), and pace every send to
-a slow link.
-"""
+The same class runs in-process (tests) and as ``topkv worker``. Fault injection (``topkv
+chaos``; off unless ``$TOPKV_FAULTS`` or :attr:`WorkerConfig.faults` asks): :class:`WorkerFaults`
+flips one bit in the frames of a fraction of the outgoing transfers *after* their CRC-64 was
+taken (the receiver must catch it), and paces every send to a slow link."""
 
 from __future__ import annotations
 
