@@ -12,6 +12,7 @@ pytest.importorskip("transformers")
 
 import torch
 
+from tiny_models import tiny
 from topkv.engine import (
     DecodeRunner,
     DemoModelConfig,
@@ -27,15 +28,7 @@ from topkv.engine import (
 
 pytestmark = pytest.mark.model
 
-TINY = DemoModelConfig(
-    layers=3,
-    hidden_size=64,
-    heads=4,
-    kv_heads=2,
-    head_dim=16,
-    intermediate_size=128,
-    vocab_size=512,
-)
+TINY = tiny(layers=3, max_position_embeddings=DemoModelConfig().max_position_embeddings)
 
 
 def test_saved_model_loads_with_same_weights_spec_and_tokens(tmp_path: Path) -> None:

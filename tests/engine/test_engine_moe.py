@@ -7,23 +7,13 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from topkv.engine import DemoModelConfig, PrefillRunner, state_dict_digest
+from tiny_models import TINY
+from topkv.engine import PrefillRunner, state_dict_digest
 from topkv.engine.errors import UnsupportedModelError
 from topkv.engine.models import build_demo_model
 from topkv.engine.moe import ExpertRecorder, build_demo_moe_model, moe_shape
 
 pytestmark = pytest.mark.model
-
-TINY = DemoModelConfig(
-    layers=2,
-    hidden_size=64,
-    heads=4,
-    kv_heads=2,
-    head_dim=16,
-    intermediate_size=128,
-    vocab_size=512,
-    max_position_embeddings=1024,
-)
 
 
 def test_the_same_seed_gives_the_same_moe_model() -> None:

@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from topkv.engine import DemoModelConfig
+from tiny_models import TINY
 from topkv.harness.inprocess_cluster import InProcessCluster, WorkerSpec
 from topkv.policy.route import DecodeWorkerView, RoutingPolicy
 from topkv.policy.view import TransferRequest
@@ -29,16 +29,6 @@ from topkv.transport.base import KVLayout
 
 pytestmark = pytest.mark.model
 
-TINY = DemoModelConfig(
-    layers=2,
-    hidden_size=64,
-    heads=4,
-    kv_heads=2,
-    head_dim=16,
-    intermediate_size=128,
-    vocab_size=512,
-    max_position_embeddings=1024,
-)
 MOE = EngineSpec(kind="hf", demo_seed=0, demo_config=TINY, demo_experts=8, torch_threads=1)
 LAYOUT = KVLayout(num_layers=2, seq_len=64, kv_heads=2, head_dim=16)
 TTL_S = 1.5  # heartbeats every 0.5 s
