@@ -31,6 +31,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Final, Self
 
@@ -219,15 +220,7 @@ class FrameHeader:
 
     def check_limits(self, limits: WireLimits = DEFAULT_LIMITS) -> None:
         """Raise :class:`SizeLimitExceeded` if any field is over ``limits``."""
-        _check_limits(
-            limits,
-            layers=self.layers,
-            seq_len=self.seq_len,
-            kv_heads=self.kv_heads,
-            head_dim=self.head_dim,
-            k_bytes=self.k_bytes,
-            v_bytes=self.v_bytes,
-        )
+        _check_limits(limits, {name: getattr(self, name) for name in _CAPS})
 
     @classmethod
     def unpack(cls, buf: object, limits: WireLimits = DEFAULT_LIMITS) -> Self:
@@ -278,19 +271,26 @@ class LayerFrameHeader(FrameHeader):
         return self.layer_index
 
 
-def _check_limits(limits: WireLimits, **fields: int) -> None:
-    caps = {
-        "layers": limits.max_layers,
-        "seq_len": limits.max_seq_len,
-        "kv_heads": limits.max_kv_heads,
-        "head_dim": limits.max_head_dim,
-        "k_bytes": limits.max_tensor_bytes,
-        "v_bytes": limits.max_tensor_bytes,
-    }
-    for name, value in fields.items():
-        if value > caps[name]:
+#: Every header field a receiver caps, and the :class:`WireLimits` attribute capping it
+#: (checked in this order).
+_CAPS: Final = {
+    "layers": "max_layers",
+    "seq_len": "max_seq_len",
+    "kv_heads": "max_kv_heads",
+    "head_dim": "max_head_dim",
+    "k_bytes": "max_tensor_bytes",
+    "v_bytes": "max_tensor_bytes",
+}
+
+
+def _check_limits(limits: WireLimits, fields: Mapping[str, int]) -> None:
+    """Raise :class:`SizeLimitExceeded` for the first of the :data:`_CAPS` fields of
+    ``fields`` over its cap in ``limits``."""
+    for name, limit in _CAPS.items():
+        value, cap = fields[name], getattr(limits, limit)
+        if value > cap:
             raise SizeLimitExceeded(
-                f"header field {name}={value} exceeds the receiver's limit {caps[name]} "
+                f"header field {name}={value} exceeds the receiver's limit {cap} "
                 "(raise it in WireLimits if this frame is legitimate)"
             )
 
@@ -343,15 +343,6 @@ def unpack_header(buf: object, limits: WireLimits = DEFAULT_LIMITS) -> KVHeader 
         )
     flags = Flags(flag_bits)
     dtype = DType.from_code(dtype_code)
-    _check_limits(
-        limits,
-        layers=layers,
-        seq_len=seq_len,
-        kv_heads=kv_heads,
-        head_dim=head_dim,
-        k_bytes=k_bytes,
-        v_bytes=v_bytes,
-    )
     common: dict[str, Any] = {
         "request_key": req_key,
         "model_id": model_id,
@@ -366,6 +357,7 @@ def unpack_header(buf: object, limits: WireLimits = DEFAULT_LIMITS) -> KVHeader 
         "v_crc": v_crc,
         "mla": bool(flags & Flags.MLA),
     }
+    _check_limits(limits, common)
     if flags & Flags.LAYER_FRAME:
         return LayerFrameHeader(layer_index=layer_index, **common)
     if layer_index != 0:
