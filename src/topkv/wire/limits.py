@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from topkv.wire.errors import WireError
 
@@ -27,16 +27,12 @@ class WireLimits:
     max_head_dim: int = 8192
 
     def __post_init__(self) -> None:
-        for name in (
-            "max_tensor_bytes",
-            "max_layers",
-            "max_seq_len",
-            "max_kv_heads",
-            "max_head_dim",
-        ):
-            value = getattr(self, name)
+        for limit in fields(self):  # every limit, in field order
+            value = getattr(self, limit.name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise WireError(f"WireLimits.{name} must be a positive integer, got {value!r}")
+                raise WireError(
+                    f"WireLimits.{limit.name} must be a positive integer, got {value!r}"
+                )
 
 
 DEFAULT_LIMITS = WireLimits()
