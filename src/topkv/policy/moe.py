@@ -43,7 +43,7 @@ from topkv.policy.moe_experts import (
     ExpertSnapshot,
     MoEWeights,
 )
-from topkv.policy.route import PairViewLookup
+from topkv.policy.route import PairViewLookup, SlotEligible
 from topkv.policy.select import CostFunction, TransportSelector, cost_function
 from topkv.policy.view import NO_LOAD, Endpoint, LinkLoad, TransferRequest
 
@@ -61,7 +61,7 @@ def dispatch_bytes_per_activation(hidden_size: int, dtype_bytes: int = DISPATCH_
 
 
 @dataclass(frozen=True)
-class MoETarget:
+class MoETarget(SlotEligible):
     """A decode worker as MoE routing sees it; ``load`` is its share of slots in use,
     ``queue_s`` the expected wait before its decode of this request starts."""
 
@@ -73,10 +73,6 @@ class MoETarget:
     queue_s: float = 0.0
     healthy: bool = True
     holds_kv: bool = False
-
-    @property
-    def eligible(self) -> bool:
-        return self.healthy and self.free_slots > 0
 
 
 @dataclass(frozen=True)

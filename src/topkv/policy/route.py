@@ -22,8 +22,20 @@ from topkv.policy.view import NO_LOAD, Endpoint, LinkLoad, PairView, TransferReq
 PairViewLookup = Callable[[Endpoint, Endpoint], PairView]
 
 
+class SlotEligible:
+    """A decode worker's eligibility rule, shared by every routing view of one: it may
+    take a request when healthy and with a free slot."""
+
+    healthy: bool
+    free_slots: int
+
+    @property
+    def eligible(self) -> bool:
+        return self.healthy and self.free_slots > 0
+
+
 @dataclass(frozen=True)
-class DecodeWorkerView:
+class DecodeWorkerView(SlotEligible):
     """What routing may know about one decode worker."""
 
     worker_id: str
@@ -31,10 +43,6 @@ class DecodeWorkerView:
     free_slots: int
     load: float
     healthy: bool = True
-
-    @property
-    def eligible(self) -> bool:
-        return self.healthy and self.free_slots > 0
 
 
 @dataclass(frozen=True)
