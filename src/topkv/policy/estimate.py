@@ -18,6 +18,7 @@ the bytes this transfer must wait for and the bandwidth the path has now:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Final
 
 from topkv.planner.transports import GB
 from topkv.policy.bandwidth import BandwidthReader, BandwidthSource
@@ -59,17 +60,23 @@ class CandidateEstimate:
         )
 
     def to_dict(self) -> dict[str, object]:
-        return {
-            "transport": self.transport,
-            "estimated_s": self.estimated_s,
-            "bandwidth_gbps": self.bandwidth_gbps,
-            "source": self.source,
-            "reason": self.reason,
-            "links": list(self.links),
-            "setup_s": self.setup_s,
-            "queued_bytes": self.queued_bytes,
-            "bottleneck_link": self.bottleneck_link,
-        }
+        out: dict[str, object] = {key: getattr(self, key) for key in ESTIMATE_KEYS}
+        out["links"] = list(self.links)
+        return out
+
+
+#: The keys of :meth:`CandidateEstimate.to_dict`, in order, each the attribute it holds.
+ESTIMATE_KEYS: Final = (
+    "transport",
+    "estimated_s",
+    "bandwidth_gbps",
+    "source",
+    "reason",
+    "links",
+    "setup_s",
+    "queued_bytes",
+    "bottleneck_link",
+)
 
 
 def _format_bytes(nbytes: int) -> str:
