@@ -119,10 +119,7 @@ def _setting(explicit: Any, record: DemoRecord, key: str, default: Any) -> Any:
 
 
 def _kv_bytes_per_token() -> int:
-    from topkv.engine.spec import DemoModelConfig
-
-    cfg = DemoModelConfig()
-    return 2 * cfg.kv_heads * cfg.head_dim * 4 * cfg.layers  # K and V, float32, all layers
+    return demo_model_spec().kv_bytes_per_token(DEMO_KV_DTYPE)  # K and V, all layers
 
 
 def requests_for(
