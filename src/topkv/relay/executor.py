@@ -34,15 +34,10 @@ from topkv.relay.transfers import FailureKind
 from topkv.relay.workers import WorkerInfo
 from topkv.transport.base import KVLayout, TransferDescriptor
 from topkv.transport.errors import (
-    AuthenticationFailed,
     ChecksumMismatch,
-    FrameRejected,
-    PeerDied,
-    ResourceExhausted,
     TransferCancelled,
     TransferTimeout,
     TransportError,
-    TransportUnavailable,
 )
 from topkv.wire import crc64
 
@@ -64,17 +59,13 @@ def classify_failure(error: BaseException) -> FailureKind:
         return FailureKind.CHECKSUM
     if isinstance(error, TransferTimeout | TimeoutError):
         return FailureKind.TIMEOUT
-    if isinstance(error, PeerDied):
-        # A peer that went away: the orchestrator asks the registry whether the destination
-        # is still alive and fails over (it is) or reroutes (it is not).
-        return FailureKind.TRANSPORT
     if isinstance(error, TransferCancelled):
         return FailureKind.CANCELLED
-    if isinstance(
-        error, AuthenticationFailed | FrameRejected | TransportUnavailable | ResourceExhausted
-    ):
-        return FailureKind.TRANSPORT
     if isinstance(error, TransportError):
+        # A peer that went away (PeerDied): the orchestrator asks the registry whether the
+        # destination is still alive and fails over (it is) or reroutes (it is not). Every
+        # other transport error (refused handshake or frame, medium unavailable, resources
+        # exhausted) is a transport failure too.
         return FailureKind.TRANSPORT
     return FailureKind.INTERNAL
 
