@@ -20,7 +20,7 @@ from __future__ import annotations
 import enum
 import functools
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from topkv.errors import TopKVError
@@ -103,16 +103,7 @@ class AttemptRecord:
     medium: str = ""
 
     def to_dict(self) -> dict[str, object]:
-        return {
-            "number": self.number,
-            "destination": self.destination,
-            "transport": self.transport,
-            "medium": self.medium,
-            "started_at": self.started_at,
-            "ended_at": self.ended_at,
-            "error": self.error.value if self.error else None,
-            "detail": self.detail,
-        }
+        return _snapshot(self, _ATTEMPT_KEYS)
 
 
 @dataclass
@@ -159,30 +150,52 @@ class TransferRecord:
     def to_dict(self) -> dict[str, object]:
         """A JSON-ready snapshot (what status queries and the HTTP API return)."""
         return {
-            "request_id": self.request_id,
-            "model_id": self.model_id,
-            "source": self.source,
-            "destination": self.destination,
-            "state": self.state.value,
-            "transport": self.transport,
-            "medium": self.medium,
-            "emulated": self.emulated,
-            "policy": self.policy,
-            "rationale": self.rationale,
-            "size_bytes": self.size_bytes,
+            **_snapshot(self, _RECORD_KEYS),
             "layers": self.layout.num_layers,
-            "submitted_at": self.submitted_at,
-            "handed_off_at": self.handed_off_at,
-            "ended_at": self.ended_at,
-            "transfer_seconds": self.transfer_seconds,
-            "retries": self.retries,
-            "failovers": self.failovers,
-            "reroutes": self.reroutes,
-            "outcome": self.outcome.value if self.outcome else None,
-            "failure": self.failure.value if self.failure else None,
-            "reason": self.reason,
             "attempts": [a.to_dict() for a in self.attempts],
         }
+
+
+#: The attributes :meth:`AttemptRecord.to_dict` and :meth:`TransferRecord.to_dict` hold.
+_ATTEMPT_KEYS = (
+    "number",
+    "destination",
+    "transport",
+    "medium",
+    "started_at",
+    "ended_at",
+    "error",
+    "detail",
+)
+_RECORD_KEYS = (
+    "request_id",
+    "model_id",
+    "source",
+    "destination",
+    "state",
+    "transport",
+    "medium",
+    "emulated",
+    "policy",
+    "rationale",
+    "size_bytes",
+    "submitted_at",
+    "handed_off_at",
+    "ended_at",
+    "transfer_seconds",
+    "retries",
+    "failovers",
+    "reroutes",
+    "outcome",
+    "failure",
+    "reason",
+)
+
+
+def _snapshot(record: object, keys: Iterable[str]) -> dict[str, object]:
+    """The attributes ``keys`` of ``record``, JSON-ready: an enum as its value."""
+    values = ((key, getattr(record, key)) for key in keys)
+    return {key: value.value if isinstance(value, enum.Enum) else value for key, value in values}
 
 
 def check_transition(record: TransferRecord, new: TransferState) -> None:
