@@ -190,6 +190,15 @@ class Required:
 
 REQUIRED = Required()
 
+
+def chosen_auth(auth: ServerAuth | Required | None, needs: str) -> ServerAuth | None:
+    """``auth`` once its caller chose it; ConfigError while it is still :data:`REQUIRED`
+    (``needs``: what the component needs, e.g. ``"a worker needs auth=ServerAuth(...)"``)."""
+    if isinstance(auth, Required):
+        raise ConfigError(f"{needs}, or auth=None to run without authentication on purpose")
+    return auth
+
+
 #: Authentication switched off on purpose (``--insecure-no-auth``).
 INSECURE: Credentials | None = None
 

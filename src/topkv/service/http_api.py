@@ -29,6 +29,7 @@ import contextlib
 import itertools
 import logging
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -78,6 +79,7 @@ from topkv.service.auth import (
     Required,
     Route,
     ServerAuth,
+    chosen_auth,
     secured_app,
     warn_insecure,
 )
@@ -135,11 +137,7 @@ class OrchestratorServiceConfig:
             )
         if self.max_body_bytes < 1024:
             raise ConfigError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
-        if isinstance(self.auth, Required):
-            raise ConfigError(
-                "the orchestrator needs auth=ServerAuth(...) (tokens), or auth=None to run "
-                "without authentication on purpose"
-            )
+        chosen_auth(self.auth, "the orchestrator needs auth=ServerAuth(...) (tokens)")
 
     @property
     def server_auth(self) -> ServerAuth | None:
@@ -473,9 +471,13 @@ class OrchestratorService:
             WorkerList(registry=redact_registry_url(self.config.registry), workers=workers)
         )
 
-    def _require_embedded(self) -> web.Response | None:
+    async def _embedded_only(
+        self, handler: Callable[[web.Request], Awaitable[web.Response]], request: web.Request
+    ) -> web.Response:
+        """``handler``'s answer while the registry is embedded; 409 with etcd, where the
+        workers register directly."""
         if self.embedded:
-            return None
+            return await handler(request)
         return error_response(
             409,
             "registry",
@@ -484,22 +486,13 @@ class OrchestratorService:
         )
 
     async def register_worker(self, request: web.Request) -> web.Response:
-        refused = self._require_embedded()
-        if refused is not None:
-            return refused
-        return await self._registrations.register(request)
+        return await self._embedded_only(self._registrations.register, request)
 
     async def heartbeat_worker(self, request: web.Request) -> web.Response:
-        refused = self._require_embedded()
-        if refused is not None:
-            return refused
-        return await self._registrations.heartbeat(request)
+        return await self._embedded_only(self._registrations.heartbeat, request)
 
     async def deregister_worker(self, request: web.Request) -> web.Response:
-        refused = self._require_embedded()
-        if refused is not None:
-            return refused
-        return await self._registrations.deregister(request)
+        return await self._embedded_only(self._registrations.deregister, request)
 
     async def topology(self, request: web.Request) -> web.Response:
         view = self.orchestrator.view

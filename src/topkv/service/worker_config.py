@@ -9,7 +9,7 @@ from pathlib import Path
 
 from topkv.errors import ConfigError
 from topkv.relay.workers import Role, WorkerCapabilities
-from topkv.service.auth import REQUIRED, Required, ServerAuth
+from topkv.service.auth import REQUIRED, Required, ServerAuth, chosen_auth
 from topkv.service.engines import EngineSpec
 from topkv.service.tier_config import TierConfig
 from topkv.service.tls import TLSConfig
@@ -111,11 +111,10 @@ class WorkerConfig:
     tiers: TierConfig | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.auth, Required):
-            raise ConfigError(
-                "a worker needs auth=ServerAuth(...) (the control token it accepts, its worker "
-                "token), or auth=None to run without authentication on purpose"
-            )
+        chosen_auth(
+            self.auth,
+            "a worker needs auth=ServerAuth(...) (the control token it accepts, its worker token)",
+        )
 
     @property
     def server_auth(self) -> ServerAuth | None:
