@@ -69,6 +69,7 @@ from topkv.relay.completions import Completion
 from topkv.relay.executor import AttemptPlan
 from topkv.relay.orchestrator import Orchestrator
 from topkv.relay.orchestrator_config import OrchestratorConfig
+from topkv.relay.tasks import cancel_and_wait
 from topkv.relay.transfers import Outcome, TransferState
 from topkv.relay.workers import WorkerInfo
 from topkv.service.engines import EngineSpec
@@ -353,9 +354,7 @@ class DemoRun:
             finally:
                 if self.pool is not None:
                     self.adp_report = await self.pool.close()
-                consumer.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await consumer
+                await cancel_and_wait(consumer)
 
     async def _replay(self, orch: Orchestrator) -> None:
         start = now() + 0.05
@@ -595,9 +594,7 @@ class DemoRun:
         except TimeoutError:
             pass
         finally:
-            reporter.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await reporter
+            await cancel_and_wait(reporter)
         for rid in pending:
             if self.states[rid].reference is None:
                 self.states[rid].fail("no reference generation in time")

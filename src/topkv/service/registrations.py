@@ -8,7 +8,6 @@ registration handle here."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import time
 from collections import OrderedDict
@@ -20,6 +19,7 @@ from aiohttp import web
 
 from topkv.errors import ConfigError, TopKVError
 from topkv.relay.registry import MemoryRegistry, Registration, WorkerRegistry
+from topkv.relay.tasks import cancel_and_wait
 from topkv.service.api_models import HeartbeatAck, WorkerView
 from topkv.service.auth import Access, Route, ServerAuth, forbidden, principal_of, secured_app
 from topkv.service.httputil import error_response, model_response, read_model, site_url
@@ -313,10 +313,7 @@ class RegistrationServer:
         return served_url(site_url(self._runner, "127.0.0.1"), tls)
 
     async def close(self) -> None:
-        if self._expire is not None:
-            self._expire.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._expire
+        await cancel_and_wait(self._expire)
         if self._runner is not None:
             await self._runner.cleanup()
 

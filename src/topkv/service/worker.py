@@ -38,6 +38,7 @@ from typing import TypeVar
 
 from aiohttp import web
 
+from topkv.relay.tasks import cancel_and_wait
 from topkv.relay.workers import WorkerInfo
 from topkv.service.auth import Access, Route, secured_app, warn_insecure
 from topkv.service.engine_experts import renew
@@ -232,10 +233,7 @@ class WorkerService:
         return self.info
 
     async def stop(self) -> None:
-        if self._heartbeat_task is not None:
-            self._heartbeat_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._heartbeat_task
+        await cancel_and_wait(self._heartbeat_task)
         if self._registrar is not None:
             with contextlib.suppress(ServiceError):
                 await self._registrar.deregister()
@@ -265,11 +263,8 @@ class WorkerService:
         no drain. Heartbeats stop, the control API and every sink close under the transfers in
         flight, and every held copy is lost. The registry forgets the worker when its TTL
         runs out, as it would a dead process."""
-        if self._heartbeat_task is not None:
-            self._heartbeat_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._heartbeat_task
-            self._heartbeat_task = None
+        await cancel_and_wait(self._heartbeat_task)
+        self._heartbeat_task = None
         if self._registrar is not None:
             await self._registrar.close()
             self._registrar = None
