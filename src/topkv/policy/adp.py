@@ -34,7 +34,15 @@ Pieces:
   prefill keeps (``decode_reserve`` of its slots) is not converted to prefill either: if
   chosen, it is fenced the same way (no new sequences) until its decode drains to the
   reserve; a converted worker still prefilling is *drained* (takes no new prefill)
-  and converted back on a later update.
+  and converted back on a later update. *Decode headroom*: a worker is chosen only if the
+  decode workers left open keep at least as many decode slots as the decode pool uses now
+  (sequences decoding plus KV on its way: :func:`decode_in_use`). Every request a prefill
+  worker takes holds a decode slot from the moment it is routed (its KV streams to that
+  slot while it is computed) until its decode ends, so throughput is at most the slots
+  over that holding time: a conversion that leaves fewer slots than the load uses now
+  lowers it, whatever prefill the converted worker adds. Where decode slots are plentiful
+  (hundreds per instance in the simulator) this never binds; with the demo's 2 slots per
+  decode worker it forbids converting one of two (2 slots left for 3 or more in use).
 * Chunked prefill on a converted worker: ``chunk_tokens`` (512) per iteration, with
   ``decode_reserve`` (30%) of its decode slots kept for the sequences it was decoding,
   so a converted worker never abandons them (:meth:`ADPConfig.reserved_slots`).
@@ -375,6 +383,27 @@ def candidate(w: WorkerView) -> bool:
     return w.native == "decode" and w.role == "decode" and w.healthy
 
 
+def decode_in_use(workers: Sequence[WorkerView]) -> int:
+    """Decode slots the decode pool uses now: on every native decode worker still serving
+    decode (fenced ones too), the sequences it decodes (or queues) plus the KV on its way to
+    it. Converted workers are left out: the sequences they keep sit in their own reserve."""
+    return sum(
+        w.active_decode + w.unacked_kv
+        for w in workers
+        if w.native == "decode" and w.role == "decode"
+    )
+
+
+def decode_slots_open(workers: Sequence[WorkerView]) -> int:
+    """Decode slots of the workers that take new decode work now: native decode workers
+    serving decode, healthy and not fenced."""
+    return sum(
+        w.decode_slots
+        for w in workers
+        if w.native == "decode" and w.role == "decode" and w.healthy and not w.fenced
+    )
+
+
 def plan_conversions(
     workers: Sequence[WorkerView],
     in_rush: bool,
@@ -390,7 +419,9 @@ def plan_conversions(
     acknowledged is *fenced* (no new KV routed to it) and converted on a later update,
     once its KV is acknowledged: never before. The same holds for a chosen worker running
     more decode sequences than the chunked-prefill reserve keeps: fenced, it gets no new
-    ones, and it is converted once the ones it has drained to the reserve.
+    ones, and it is converted once the ones it has drained to the reserve. A worker is
+    chosen only while the decode workers left open keep at least :func:`decode_in_use`
+    slots (decode headroom, module docstring); a fenced worker's slots no longer count.
     """
     natives = [w for w in workers if w.native == "decode"]
     converted = [w for w in natives if w.converted]
@@ -408,13 +439,22 @@ def plan_conversions(
     ready = [w for w in fenced if convertible(w, config)]
     room = cap - len(converted) - len(fenced)
     new: list[WorkerView] = []
+    in_use, left = decode_in_use(natives), decode_slots_open(natives)
+    short = False
     if pressure and may_convert and room > 0:
         # idle first, then least loaded, then fewest KV in flight, then id (deterministic)
         pool = sorted(
             (w for w in natives if not w.fenced and candidate(w)),
             key=lambda w: (w.active_decode, w.unacked_kv, w.worker_id),
         )
-        new = pool[: min(room, config.convert_step)]
+        for w in pool:
+            if len(new) == min(room, config.convert_step):
+                break
+            if left - w.decode_slots < in_use:  # decode would become the bottleneck
+                short = True
+                continue
+            new.append(w)
+            left -= w.decode_slots
     to_prefill = [*ready, *(w for w in new if convertible(w, config))]
     fence = [w for w in new if not convertible(w, config)]
     total = len(converted) + len(to_prefill)
@@ -422,6 +462,11 @@ def plan_conversions(
         why = f"rush: converting {len(to_prefill)}, fencing {len(fence)} ({total}/{cap})"
     elif room <= 0:
         why = f"rush: at the cap ({len(converted)} converted, {len(fenced)} fenced of {cap})"
+    elif short:
+        why = (
+            f"rush: holding, no decode headroom ({in_use} decode slots in use, {left} open; "
+            "one worker fewer would leave too few)"
+        )
     else:
         why = f"rush: holding ({len(converted)}/{cap} converted)"
     return ConversionPlan(
