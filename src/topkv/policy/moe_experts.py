@@ -54,14 +54,20 @@ class MoEWeights:
     queue_norm: float = 8.0
 
     def __post_init__(self) -> None:
-        for name in ("stale_after_s", "rate", "compute", "queue"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value >= 0):
-                raise PolicyInputError(f"MoE weight {name}={value} must be finite and >= 0")
-        for name in ("straggler_factor", "queue_norm"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value > 0):
-                raise PolicyInputError(f"MoE weight {name}={value} must be finite and > 0")
+        _require_finite(self, ("stale_after_s", "rate", "compute", "queue"), "MoE weight ")
+        _require_finite(self, ("straggler_factor", "queue_norm"), "MoE weight ", positive=True)
+
+
+def _require_finite(
+    obj: object, names: tuple[str, ...], where: str, positive: bool = False
+) -> None:
+    """Raise :class:`PolicyInputError` (its message starting with ``where``) for the first
+    attribute of ``obj`` in ``names`` that is not finite and >= 0 (> 0 when ``positive``)."""
+    for name in names:
+        value = getattr(obj, name)
+        if not (math.isfinite(value) and (value > 0 if positive else value >= 0)):
+            bound = "> 0" if positive else ">= 0"
+            raise PolicyInputError(f"{where}{name}={value} must be finite and {bound}")
 
 
 DEFAULT_WEIGHTS = MoEWeights()
@@ -94,13 +100,8 @@ class ExpertReplica:
         return (self.layer, self.expert)
 
     def __post_init__(self) -> None:
-        for name in ("rate", "compute_s", "network_s"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value >= 0):
-                raise PolicyInputError(
-                    f"expert {self.layer}/{self.expert} on {self.worker_id}: {name}={value} "
-                    "must be finite and >= 0"
-                )
+        where = f"expert {self.layer}/{self.expert} on {self.worker_id}: "
+        _require_finite(self, ("rate", "compute_s", "network_s"), where)
         if self.queue_depth < 0:
             raise PolicyInputError(
                 f"expert {self.layer}/{self.expert} on {self.worker_id}: queue_depth "
