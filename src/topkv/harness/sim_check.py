@@ -168,17 +168,18 @@ def sim_check(
     uniform = run_policy(config, workload, UNIFORM_POLICY)
     sim = _sim_medians(topology, uniform)
     return out | {
-        "topology_aware": {
-            "exposed_ms_p50": _round(sim.topology_exposed_ms),
-            "ttft_ms_p50": _round(sim.topology_ttft_ms),
-            "transports": dict(sorted(topology.count_by_transport.items())),
-        },
-        "uniform_rdma": {
-            "exposed_ms_p50": _round(sim.uniform_exposed_ms),
-            "ttft_ms_p50": _round(sim.uniform_ttft_ms),
-            "transports": dict(sorted(uniform.count_by_transport.items())),
-        },
+        "topology_aware": _figures(topology, sim.topology_exposed_ms, sim.topology_ttft_ms),
+        "uniform_rdma": _figures(uniform, sim.uniform_exposed_ms, sim.uniform_ttft_ms),
         **compare(demo_medians(summary), sim),
+    }
+
+
+def _figures(result: PolicyResult, exposed_ms: float, ttft_ms: float) -> dict[str, Any]:
+    """One policy's p50s and transports in ``summary.sim_check``."""
+    return {
+        "exposed_ms_p50": _round(exposed_ms),
+        "ttft_ms_p50": _round(ttft_ms),
+        "transports": dict(sorted(result.count_by_transport.items())),
     }
 
 
