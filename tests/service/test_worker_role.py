@@ -109,6 +109,53 @@ def test_decode_sequences_beyond_the_reserve_refuse_the_conversion() -> None:
     asyncio.run(main())
 
 
+async def _announce(url: str, token: str | None, request_id: int, keep: bool) -> None:
+    """``POST /v1/receive``: the worker expects a copy of request ``request_id``'s KV."""
+    body = {
+        "request_id": request_id,
+        "model_id": "m",
+        "layout": LayoutModel.of(LAYOUT).model_dump(),
+        "medium": "tcp",
+        "keep": keep,
+    }
+    async with (
+        aiohttp.ClientSession(headers=auth_headers(token)) as session,
+        session.post(f"{url}/v1/receive", json=body) as response,
+    ):
+        assert response.status == 200, await response.text()
+
+
+def test_a_drained_copy_landing_does_not_hold_a_conversion_a_kept_one_does() -> None:
+    """A measurement copy (``keep`` false: verified and released on arrival, whatever the
+    worker's role) holds no request's KV: it does not refuse the conversion. A request's KV
+    announced (``keep`` true) does (409), until it is dropped."""
+
+    async def main() -> None:
+        registry = MemoryRegistry()
+        async with InProcessCluster(registry) as cluster:
+            executor = RemoteExecutor(token=cluster.admin_token)
+            try:
+                await cluster.start([WorkerSpec("decode", "n0", 0, worker_id="d0")])
+                info = cluster.info("d0")
+                url, token = info.control_url, cluster.admin_token
+                await _announce(url, token, 7, keep=True)
+                with pytest.raises(AttemptFailed, match=r"409.*1 receive\(s\) pending"):
+                    await executor.set_role(info, "prefill", chunk_tokens=512, reserved_slots=0)
+                assert (registry.get("d0") or info).role == "decode"
+                async with (
+                    aiohttp.ClientSession(headers=auth_headers(token)) as session,
+                    session.delete(f"{url}/v1/kv/7") as response,
+                ):
+                    assert response.status == 200, await response.text()
+                await _announce(url, token, 1 << 40, keep=False)  # a baseline copy's id
+                await executor.set_role(info, "prefill", chunk_tokens=512, reserved_slots=0)
+                assert (registry.get("d0") or info).role == "prefill"
+            finally:
+                await executor.close()
+
+    asyncio.run(main())
+
+
 def test_role_endpoint_needs_the_admin_token() -> None:
     async def main() -> None:
         async with InProcessCluster(MemoryRegistry()) as cluster:

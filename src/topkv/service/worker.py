@@ -292,8 +292,8 @@ class WorkerService:
                     await self._registrar.register(self.info, self.config.ttl_s)
 
     def transfers_in_flight(self) -> tuple[int, int]:
-        """Sends in flight, and receives announced and not yet taken."""
-        return len(self._outgoing), len(self._inbox)
+        """Sends in flight, and receives announced, not yet taken and kept (not drained)."""
+        return len(self._outgoing), sum(1 for p in self._inbox.pending.values() if p.keep)
 
     async def reregister(self, info: WorkerInfo) -> None:
         """Replace this worker's registration with ``info`` (same id: a new role)."""

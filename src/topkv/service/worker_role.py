@@ -5,10 +5,12 @@ a rush and back when it ends. On the worker a conversion is:
 
 1. a safety check: a worker holding KV not yet acknowledged (a send in flight, a receive
    announced and not taken, a prefilled KV its destination has not verified) is never
-   converted: ``409`` kind ``busy``, nothing changed. A decode worker turning prefill keeps
-   the decode sequences it holds (received KV) only up to ``reserved_slots`` (the chunked
-   prefill reserve); more is ``409`` too, unless ``drain`` asks to wait (at most
-   ``drain_timeout_s``) for decode to release them;
+   converted: ``409`` kind ``busy``, nothing changed. A drained copy landing on it
+   (``keep`` false: a measurement, verified and released on arrival whatever the worker's
+   role, as the demo's baseline copies) holds no request's KV and does not count. A
+   decode worker turning prefill keeps the decode sequences it holds (received KV) only
+   up to ``reserved_slots`` (the chunked prefill reserve); more is ``409`` too, unless
+   ``drain`` asks to wait (at most ``drain_timeout_s``) for decode to release them;
 2. the new mode: ``prefill`` on a native decode worker runs chunked prefill
    (``chunk_tokens`` per chunk, ``reserved_slots`` decode slots kept), ``decode`` clears it;
 3. re-registration under the new role with the same worker id (the registry's ``update``:
@@ -47,7 +49,7 @@ class Convertible(Protocol):
     info: WorkerInfo | None
 
     def transfers_in_flight(self) -> tuple[int, int]:
-        """Sends in flight, and receives announced and not yet taken."""
+        """Sends in flight, and receives announced and not yet taken that it will keep."""
         ...
 
     async def reregister(self, info: WorkerInfo) -> None:
