@@ -12,6 +12,7 @@ model measured by these moves.
 from __future__ import annotations
 
 import asyncio
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -20,12 +21,14 @@ import pytest
 
 from topkv.relay.executor import AttemptFailed, AttemptPlan
 from topkv.relay.registry import MemoryRegistry
+from topkv.service import worker_tiers
 from topkv.service.auth import Credentials, ServerAuth, new_token
 from topkv.service.engines import EngineSpec
 from topkv.service.messages import PrefillRequest
 from topkv.service.registrar import DirectRegistrar
 from topkv.service.remote_executor import RemoteExecutor
 from topkv.service.tier_config import TierConfig
+from topkv.service.tiered_kv import open_tiered_kv
 from topkv.service.worker import WorkerConfig, WorkerService
 
 pytest.importorskip("torch")
@@ -148,6 +151,31 @@ def test_more_than_k_sequences_decode_token_identical(tmp_path: Path) -> None:
     assert 'topkv_kv_tier_bandwidth_gbps{direction="read",source="measured",tier="disk"}' in metrics
     assert 'topkv_kv_tier_events_total{event="promotions"}' in metrics
     assert 'topkv_kv_tier_capacity_bytes{emulated="true",tier="cxl"}' in metrics
+    import torch
+
+    kind = "gpu" if torch.cuda.is_available() else "host-stand-in"
+    stand_in = str(kind != "gpu").lower()
+    assert f'kind="{kind}",stand_in="{stand_in}"}} 1.0' in metrics, metrics
+
+
+def test_the_gpu_tier_code_on_a_cpu_tensor_decodes_token_identical(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker's device tier is the torch arena (forced onto a CPU tensor): every cache
+    on the device is held in it, copied back (CRC-64 checked) for each decode."""
+    monkeypatch.setattr(
+        worker_tiers, "open_tiered_kv", functools.partial(open_tiered_kv, torch_device="cpu")
+    )
+    results, _, metrics = asyncio.run(_serve(tmp_path, lose=None))
+    expected = _expected()
+    for result in results:
+        assert result.tokens == expected[result.request_id]
+        assert result.tiers[-1] == "device" and result.exposed_promotion_ms > 0  # the copy back
+    assert 'topkv_kv_tier_device_info{device="cpu",kind="torch-cpu",stand_in="true"} 1.0' in metrics
+    assert 'topkv_kv_tier_bandwidth_gbps{direction="read",source="measured",tier="device"}' in (
+        metrics
+    )
+    assert 'topkv_kv_tier_used_bytes{tier="device"} 0.0' in metrics  # all released
 
 
 def test_a_deleted_tier_file_fails_that_decode_not_the_tokens(tmp_path: Path) -> None:

@@ -48,9 +48,11 @@ from topkv.cli.security_options import (
 )
 from topkv.cli.tier_options import (
     device_kv_capacity_option,
+    device_tier_option,
     kv_cxl_bytes_option,
     kv_cxl_dilation_option,
     kv_cxl_option,
+    kv_device_bytes_option,
     kv_disk_bytes_option,
     kv_host_bytes_option,
     kv_tier_dir_option,
@@ -225,6 +227,8 @@ def worker_command(
     kv_cxl_dilation: float = kv_cxl_dilation_option(),
     kv_disk_bytes: str = kv_disk_bytes_option(),
     kv_tier_dir: Path | None = kv_tier_dir_option(),
+    device_tier: str = device_tier_option(),
+    kv_device_bytes: str = kv_device_bytes_option(),
     ttl: float = typer.Option(10.0, help="registry lease seconds (heartbeat every ttl/3)"),
     nvlink_domain: str = typer.Option("", help="NVLink domain id, if any"),
     nvlink: bool = typer.Option(False, help="advertise NVLink"),
@@ -333,6 +337,8 @@ def worker_command(
             kv_cxl_dilation,
             kv_disk_bytes,
             kv_tier_dir,
+            device_tier,
+            kv_device_bytes,
         ),
     )
 

@@ -32,7 +32,10 @@ class TierConfig:
     ``cxl``: ``"auto"`` uses the first CPU-less NUMA node if the host has one, else an
     emulated tier (the paper's 150 ns / 64 GB/s, paced, labelled emulated); ``"emulated"``
     always emulates; ``"off"`` has none. ``cxl_dilation`` stretches the emulated tier's
-    time like the emulated links' dilation.
+    time like the emulated links' dilation. ``device_tier``: ``"auto"`` holds the K device
+    caches in GPU memory where torch sees a GPU (an arena of ``device_bytes``), else in host
+    memory standing in for it; ``"gpu"`` requires the GPU; ``"host-stand-in"`` never uses
+    it (:mod:`topkv.service.tier_device`).
     """
 
     device_capacity: int
@@ -43,6 +46,8 @@ class TierConfig:
     disk_bytes: int = 0
     disk_dir: Path | None = None
     lookahead_s: float = 0.05
+    device_tier: str = "auto"
+    device_bytes: int = 256 << 20
 
     def __post_init__(self) -> None:
         if self.device_capacity < 1:
@@ -54,6 +59,12 @@ class TierConfig:
                 raise ConfigError(f"KV tiers: {name} must be >= 0, got {getattr(self, name)}")
         if self.cxl not in ("auto", "emulated", "off"):
             raise ConfigError(f"KV tiers: cxl must be auto, emulated or off, got {self.cxl!r}")
+        if self.device_tier not in ("auto", "gpu", "host-stand-in"):
+            raise ConfigError(
+                f"--device-tier must be auto, gpu or host-stand-in, not {self.device_tier!r}"
+            )
+        if self.device_bytes < 1:
+            raise ConfigError(f"KV tiers: device_bytes must be >= 1, got {self.device_bytes}")
         if not self.cxl_dilation >= 1.0:
             raise ConfigError(f"KV tiers: cxl dilation must be >= 1, got {self.cxl_dilation}")
         if self.disk_bytes and self.disk_dir is None:
@@ -73,6 +84,8 @@ class TierConfig:
             "--kv-cxl", self.cxl,
             "--kv-cxl-dilation", repr(self.cxl_dilation),
             "--kv-disk-bytes", str(self.disk_bytes),
+            "--device-tier", self.device_tier,
+            "--kv-device-bytes", str(self.device_bytes),
         ]  # fmt: skip
         return args + (["--kv-tier-dir", str(self.disk_dir)] if self.disk_dir else [])
 

@@ -17,7 +17,11 @@
 * :meth:`end_decode` unpins it and prefetches (:func:`~topkv.policy.tiers.prefetch_order`)
   the demoted caches needed next into free device slots, so their decode need not wait.
 
-Every move runs on the tier I/O threads (never the event loop), one at a time per request.
+Where a device-resident KV's bytes are is the device tier's (:mod:`topkv.service.
+tier_device`): in the host buffers it arrived in (the stand-in), or in GPU memory, copied
+back to host buffers for the engine when its decode starts (part of the exposed time) and
+dropped from host memory after. Every move runs on the tier I/O threads (never the event
+loop), one at a time per request.
 Each request's trail (the tiers its KV visited, promotion and exposed promotion time) is
 what ``POST /v1/kv/{id}/decode`` reports.
 """
@@ -35,7 +39,6 @@ from dataclasses import dataclass, field
 
 from topkv.policy.clock import MonotonicClock
 from topkv.policy.tiers import (
-    PAPER_TIERS,
     Resident,
     Running,
     TierModel,
@@ -48,12 +51,13 @@ from topkv.policy.tiers import (
 )
 from topkv.service.kvstore import CapacityExceeded, HeldKV
 from topkv.service.tier_config import TierConfig, build_tier_stores
+from topkv.service.tier_device import DEVICE, DeviceTier, HostStandIn, open_device_tier
 from topkv.service.tier_stores import TierFull, TierKVLost, TierStore, TierWriteFailed
 from topkv.topology.tiers import TierInventory, discover_tier_inventory
 
 log = logging.getLogger(__name__)
 
-DEVICE = "device"
+__all__ = ["DEVICE", "DecodeTicket", "TierTrail", "TieredKV", "open_tiered_kv"]
 
 
 @dataclass
@@ -87,25 +91,40 @@ class DecodeTicket:
     request_id: int
     trail: TierTrail
     claim: Callable[[], Future[None] | None] | None = None
+    load: Callable[[], bool] | None = None  # device memory -> the engine's host buffers
 
     def wait(self) -> float:
         ready = self.claim() if self.claim is not None else None
-        if ready is None:
-            return 0.0
         started = time.perf_counter()
-        ready.result()  # raises TierKVLost: the request must be recomputed
+        if ready is not None:
+            ready.result()  # raises TierKVLost: the request must be recomputed
+        copied = self.load() if self.load is not None else False
+        if ready is None and not copied:
+            return 0.0
         exposed = time.perf_counter() - started
         self.trail.exposed_promotion_s += exposed
+        if ready is None:  # a copy out of device memory only: it is promotion time too
+            self.trail.promotion_s += exposed
         return exposed
 
 
 class TieredKV:
-    """The device tier (K caches) over the lower tier stores, fastest first."""
+    """The device tier (K caches) over the lower tier stores, fastest first.
 
-    def __init__(self, config: TierConfig, stores: list[TierStore], device: TierSpec) -> None:
+    ``device_tier`` holds the device-resident caches' bytes (default: a host stand-in
+    labelled by ``device``)."""
+
+    def __init__(
+        self,
+        config: TierConfig,
+        stores: list[TierStore],
+        device: TierSpec,
+        device_tier: DeviceTier | None = None,
+    ) -> None:
         self.config = config
         self.capacity = config.device_capacity
         self.device = device
+        self.device_tier: DeviceTier = device_tier or HostStandIn(config.device_capacity, "")
         self.stores = {s.spec.name: s for s in stores}
         self.model = TierModel([device, *(s.spec for s in stores)], MonotonicClock())
         self.trails: dict[int, TierTrail] = {}
@@ -117,6 +136,7 @@ class TieredKV:
             "refused": 0,
             "lost": 0,
             "over_capacity": 0,
+            "device_full": 0,
         }
         self.bytes_moved: dict[tuple[str, str], int] = {}
         self.failures: dict[tuple[str, str], int] = {}
@@ -177,6 +197,14 @@ class TieredKV:
         kv = e.kv
         nbytes = kv.layout.total_bytes
         trail = self.trails[rid]
+        try:
+            loaded = self.device_tier.load(kv)  # a GPU-resident copy: to host for the write
+        except TierKVLost as exc:
+            self._record_lost(rid, e, DEVICE, exc)
+            with self._lock:
+                e.done = True  # holds no device slot; its decode fails (recompute)
+            self.device_tier.drop(rid)
+            return True
         with self._lock:
             needed = self._needed_in().get(rid, float("inf"))
         tried: list[str] = []
@@ -187,6 +215,8 @@ class TieredKV:
             free = {name: s.free_bytes for name, s in self.stores.items()}
             target = place(nbytes, specs, free, allow_disk=allow_disk, skip=tried)
             if target is None:
+                if loaded:
+                    self.device_tier.unload(kv)
                 return False
             store = self.stores[target.name]
             started = time.perf_counter()
@@ -210,6 +240,7 @@ class TieredKV:
                 kv.layers = []
             if release is not None:
                 release()
+            self.device_tier.drop(rid)
             with self._lock:
                 e.tier = target.name
                 self.counters["demotions"] += 1
@@ -243,26 +274,102 @@ class TieredKV:
         try:
             layers = store.read(rid, kv.layout, kv.crcs)
         except TierKVLost as exc:
-            with self._lock:
-                e.lost = str(exc)
-                self.counters["lost"] += 1
-                self.failures[(tier, "lost")] = self.failures.get((tier, "lost"), 0) + 1
-            self.trails[rid].failures.append(str(exc))
+            self._record_lost(rid, e, tier, exc)
             raise
         seconds = time.perf_counter() - started
         self.model.record(tier, "read", kv.layout.total_bytes, seconds)
         with kv.use():
             kv.layers = layers
         store.drop(rid)
+        self._make_room(kv)
         with self._lock:
             e.tier = DEVICE
             self.counters["promotions"] += 1
             self.counters["prefetches"] += int(prefetch)
             key = (tier, DEVICE)
             self.bytes_moved[key] = self.bytes_moved.get(key, 0) + kv.layout.total_bytes
+        self._hold(rid, e)  # into device memory (GPU), where the device tier has its own
         trail = self.trails[rid]
         trail.promotion_s += time.perf_counter() - asked_s
         trail.tiers.append(DEVICE)
+
+    def _record_lost(self, rid: int, e: _Entry, tier: str, exc: TierKVLost) -> None:
+        with self._lock:
+            e.lost = str(exc)
+            self.counters["lost"] += 1
+            self.failures[(tier, "lost")] = self.failures.get((tier, "lost"), 0) + 1
+        trail = self.trails.get(rid)
+        if trail is not None:
+            trail.failures.append(str(exc))
+
+    def _hold(self, rid: int, e: _Entry) -> None:
+        """Move a device-resident KV's host bytes into the device tier's own memory (a GPU
+        arena; nothing for the stand-in); a full arena keeps them in host memory, counted."""
+        if e.tier != DEVICE or e.done or e.lost is not None:
+            return
+        nbytes = e.kv.layout.total_bytes
+        started = time.perf_counter()
+        why = self.device_tier.hold(e.kv)
+        if why is None:
+            if self.device_tier.holds(rid):
+                self.model.record(DEVICE, "write", nbytes, time.perf_counter() - started)
+            return
+        with self._lock:
+            self.counters["device_full"] += 1
+            self.failures[(DEVICE, "full")] = self.failures.get((DEVICE, "full"), 0) + 1
+        trail = self.trails.get(rid)
+        if trail is not None:
+            trail.failures.append(f"{why}; kept in host memory")
+        log.warning("request %s: %s; kept in host memory", rid, why)
+
+    def _load(self, rid: int) -> bool:
+        """The engine takes the decode: host buffers of the device copy (GPU memory to the
+        host buffers the engines decode from); True if a copy was made."""
+        with self._lock:
+            e = self._entries.get(rid)
+        if e is None:
+            raise TierKVLost(f"request {rid}: its KV was released before its decode")
+        started = time.perf_counter()
+        try:
+            copied = self.device_tier.load(e.kv)
+        except TierKVLost as exc:
+            self._record_lost(rid, e, DEVICE, exc)
+            raise
+        if copied:
+            self.model.record(
+                DEVICE, "read", e.kv.layout.total_bytes, time.perf_counter() - started
+            )
+        return copied
+
+    def _make_room(self, kv: HeldKV) -> None:
+        """Demote device residents until the device tier's memory has room for ``kv`` (a
+        GPU arena is bounded in bytes as well as in K caches); stops when none can move
+        (``kv`` then stays in host memory, counted by :meth:`_hold`)."""
+        rid = kv.request_id
+        while not self.device_tier.fits(kv):
+            with self._lock:
+                e = self._entries.get(rid)
+                if e is None or (e.tier != DEVICE and not e.incoming):
+                    return  # it left the device itself
+                ones = [
+                    Resident(r.request_id, r.tier, 1, r.last_use_s, r.pinned)
+                    for r in (
+                        self._resident(x, self._entries[x])
+                        for x in self._device_ids()
+                        if x == rid or self.device_tier.holds(x)
+                    )
+                ]
+                victims = choose_victims(ones, self._needed_in(), 1, 0)
+                if not victims:
+                    return
+                entry = self._entries[victims[0].request_id]
+                entry.moving = True
+            try:
+                ok = self._demote(victims[0].request_id, entry)
+            finally:
+                entry.moving = False
+            if not ok:
+                return
 
     def _evict_until_fits(self, *, extra: int) -> bool:
         """Demote least-soon-needed device residents, one at a time, until the device holds
@@ -303,6 +410,11 @@ class TieredKV:
             self.trails[rid] = TierTrail()
             self._queue.append(rid)
         if self._evict_until_fits(extra=0):
+            self._make_room(kv)
+            with self._lock:
+                e = self._entries[rid]
+                held = self._chain(e, functools.partial(self._hold, rid, e))
+            held.result()
             return
         with self._lock:
             self.counters["refused"] += 1
@@ -326,7 +438,12 @@ class TieredKV:
                 self._queue.remove(rid)
                 self._requested.append(rid)
         self.prefetch()
-        return DecodeTicket(rid, self.trails[rid], functools.partial(self._claim, rid, tokens))
+        return DecodeTicket(
+            rid,
+            self.trails[rid],
+            functools.partial(self._claim, rid, tokens),
+            functools.partial(self._load, rid),
+        )
 
     def _claim(self, rid: int, tokens: int) -> Future[None] | None:
         """The engine takes the decode: pin the KV; promote it now if it is not back yet."""
@@ -362,6 +479,8 @@ class TieredKV:
                 e.pinned = False
                 e.done = e.tier == DEVICE  # released next; its slot goes to a prefetch
                 e.last_use_s = time.monotonic()
+                if self.device_tier.holds(ticket.request_id):  # drop the engine's host copy
+                    self._chain(e, functools.partial(self.device_tier.unload, e.kv))
             if tokens > 0 and seconds > 0:
                 self._step_s = 0.7 * self._step_s + 0.3 * seconds / tokens
                 self._tokens = max(1, round(0.7 * self._tokens + 0.3 * tokens))
@@ -431,33 +550,36 @@ class TieredKV:
                 waiting.remove(rid)
         for store in self.stores.values():
             store.drop(rid)
+        self.device_tier.drop(rid)
 
     def close(self) -> None:
         self._io.shutdown(wait=True)
         for store in self.stores.values():
             store.close()
+        self.device_tier.close()
 
 
-def open_tiered_kv(config: TierConfig, inventory: TierInventory | None = None) -> TieredKV:
+def open_tiered_kv(
+    config: TierConfig,
+    inventory: TierInventory | None = None,
+    *,
+    torch_device: str | None = None,
+) -> TieredKV:
     """The worker's tiers: the lower stores checked against this host (refused with the
     numbers when they do not fit), under a device tier of ``config.device_capacity`` caches.
 
-    The device tier is the memory the worker holds received KV in: host memory, standing in
-    for GPU memory (the engines decode from host buffers), and labelled so."""
+    The device tier (:func:`~topkv.service.tier_device.open_device_tier`) is GPU memory
+    where torch sees a GPU, else host memory standing in for it, labelled so;
+    ``torch_device`` forces the GPU tier's code onto that torch device (``"cpu"``: tests)."""
     inventory = inventory or discover_tier_inventory(use_nvml=False)
     stores = build_tier_stores(config, inventory)
-    gpus = len(inventory.gpu_memory_bytes)
-    device = TierSpec(
-        DEVICE,
-        "device",
-        0,
-        PAPER_TIERS["hbm"].latency_s,
-        PAPER_TIERS["hbm"].bandwidth_gbps,
-        emulated=True,
-        backing=f"host memory standing in for GPU memory ({gpus} GPU(s) seen: "
-        f"{inventory.sources.get('gpu', '?')}), {config.device_capacity} KV caches",
-    )
-    return TieredKV(config, stores, device)
+    try:
+        device_tier = open_device_tier(config, torch_device)
+    except BaseException:
+        for store in stores:
+            store.close()
+        raise
+    return TieredKV(config, stores, device_tier.spec, device_tier)
 
 
 def _when_back(promotion: Future[None], e: _Entry) -> Future[None]:

@@ -20,6 +20,7 @@ from prometheus_client.registry import Collector
 from topkv.service.kvstore import CapacityExceeded, HeldKV, KVStore
 from topkv.service.messages import DecodeResult
 from topkv.service.tier_config import TierConfig
+from topkv.service.tier_device import DEVICE
 from topkv.service.tiered_kv import DecodeTicket, TieredKV, TierTrail, open_tiered_kv
 
 
@@ -51,11 +52,23 @@ class _TierCollector(Collector):
         for name, store in t.stores.items():
             used.add_metric([name], store.used_bytes)
             cap.add_metric([name, str(store.spec.emulated).lower()], store.spec.capacity_bytes)
+        device = t.device_tier
+        if device.spec.capacity_bytes:  # a device tier bounded in bytes (a torch arena)
+            used.add_metric([DEVICE], device.used_bytes)
+            cap.add_metric([DEVICE, str(device.stand_in).lower()], device.spec.capacity_bytes)
         yield used
         yield cap
         dev = GaugeMetricFamily("topkv_kv_tier_device_caches", "KV caches on the device tier")
         dev.add_metric([], len(t.on_device()))
         yield dev
+        info = GaugeMetricFamily(
+            "topkv_kv_tier_device_info",
+            "what holds the device tier: a GPU (kind gpu, its name) or a stand-in",
+            labels=["kind", "device", "stand_in"],
+        )
+        named = device.describe().get("device")
+        info.add_metric([device.kind, str(named or "none"), str(device.stand_in).lower()], 1)
+        yield info
         yield _counter(
             "topkv_kv_tier_moved_bytes", "bytes moved between tiers", ["src", "dst"],
             t.bytes_moved.items(),
@@ -135,6 +148,7 @@ class WorkerTiers:
             return None
         return {
             "device_capacity": t.capacity,
+            "device_tier": t.device_tier.describe(),
             "tiers": [
                 {
                     "name": spec.name,
