@@ -244,17 +244,16 @@ class Orchestrator:
             raise UnknownWorker(f"{source!r} is not a registered prefill worker")
         if layout.total_bytes <= 0:
             raise ConfigError(f"request {request_id}: the KV layout holds no bytes")
-        now = self.clock.now()
         record = TransferRecord(
             request_id=request_id,
             model_id=model_id,
             layout=layout,
             source=source,
-            submitted_at=now,
+            submitted_at=self.clock.now(),
             source_digest=source_digest,
+            digest_deferred=defer_digest and source_digest is None,
+            manual_override=manual_override,
         )
-        record.digest_deferred = defer_digest and source_digest is None
-        record.manual_override = manual_override
         self.transfers.add(record)  # raises DuplicateRequest
         try:
             if block and queue.full():
