@@ -541,7 +541,6 @@ class OrchestratorService:
             registered, reachable = [], False
         prefill = sum(1 for w in registered if w.role == "prefill")
         decode = sum(1 for w in registered if w.role == "decode")
-        ready = running and reachable and prefill > 0 and decode > 0
         missing = [
             what
             for what, ok in (
@@ -553,14 +552,14 @@ class OrchestratorService:
             if not ok
         ]
         body = Readiness(
-            ready=ready,
+            ready=not missing,
             running=running,
             registry_reachable=reachable,
             prefill_workers=prefill,
             decode_workers=decode,
             detail="; ".join(missing),
         )
-        return model_response(body, status=200 if ready else 503)
+        return model_response(body, status=200 if body.ready else 503)
 
     async def metrics(self, request: web.Request) -> web.Response:
         body = self.orchestrator.metrics.exposition()
