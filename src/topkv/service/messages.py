@@ -183,11 +183,8 @@ class DecodeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     max_new_tokens: int = Field(ge=1, le=4096)
-    first_token: int | None = Field(
-        default=None,
-        ge=0,
-        lt=2**31,
-        description="prefill's token; omit when this worker ran the prefill itself",
+    first_token: TokenId | None = Field(
+        default=None, description="prefill's token; omit when this worker ran the prefill itself"
     )
 
 
