@@ -1,5 +1,5 @@
 """Adaptive Decoder Pool policy: decode headroom. A decode worker is chosen for conversion only
-if the decode workers left open keep at least the decode slots the pool uses now."""
+if the decode workers left open keep more decode slots than the pool uses now."""
 
 from __future__ import annotations
 
@@ -17,41 +17,47 @@ from topkv.policy.adp import (
 )
 
 
-def _demo(slots: int, active: int = 1, in_flight: int = 1) -> list[WorkerView]:
-    """The demo's shape: 2 prefill + 2 decode workers, each decode worker decoding
-    ``active`` sequences with ``in_flight`` more on their way to it."""
+def _demo(slots: int, busy: bool = True) -> list[WorkerView]:
+    """The demo's shape in a rush: 2 prefill + 2 decode workers of ``slots`` slots each; both
+    prefill workers busy, each streaming a request's KV to a decode worker, and one
+    sequence decoding (3 slots in use). ``busy`` False: nothing in use."""
+    n = int(busy)
     return [
-        WorkerView("prefill0", "prefill", "prefill", 0, 0, unacked_kv=1),
-        WorkerView("prefill1", "prefill", "prefill", 0, 0, unacked_kv=1),
-        WorkerView("decode0", "decode", "decode", active, slots, unacked_kv=in_flight),
-        WorkerView("decode1", "decode", "decode", active, slots, unacked_kv=in_flight),
+        WorkerView("prefill0", "prefill", "prefill", 0, 0, unacked_kv=n),
+        WorkerView("prefill1", "prefill", "prefill", 0, 0, unacked_kv=n),
+        WorkerView("decode0", "decode", "decode", n, slots, unacked_kv=n),
+        WorkerView("decode1", "decode", "decode", 0, slots, unacked_kv=n),
     ]
 
 
 def test_in_use_and_open_slots() -> None:
     workers = [
-        *_demo(4, active=2, in_flight=1),
+        *_demo(4),
         WorkerView("decode2", "decode", "prefill", 1, 4),  # converted: its own reserve
         WorkerView("decode3", "decode", "decode", 1, 4, fenced=True),
         WorkerView("decode4", "decode", "decode", 0, 4, healthy=False),
     ]
-    assert decode_in_use(workers) == 3 + 3 + 1  # decode0, decode1, the fenced decode3
+    assert decode_in_use(workers) == 2 + 1 + 1  # decode0, decode1, the fenced decode3
     assert decode_slots_open(workers) == 8  # decode0 and decode1 only
 
 
 def test_two_slot_decode_workers_in_use_are_not_converted() -> None:
-    """Two decode workers of 2 slots, 4 in use: one converted would leave 2 slots for 4."""
+    """Two decode workers of 2 slots, 3 in use: one converted would leave 2 slots for 3."""
     plan = plan_conversions(_demo(2), in_rush=True, pressure=True)
     assert plan.to_prefill == () and plan.fence == ()
-    assert "no decode headroom (4 decode slots in use, 4 open" in plan.rationale
+    assert "no decode headroom (3 decode slots in use, 4 open" in plan.rationale
+    # as few in use as the busy prefill workers hold: 2 left for 2 is no gain either
+    two = [replace(w, active_decode=0) for w in _demo(2)]
+    assert decode_in_use(two) == 2
+    assert plan_conversions(two, in_rush=True, pressure=True).empty
 
 
 def test_the_same_load_on_four_slot_workers_converts_one() -> None:
     plan = plan_conversions(_demo(4), in_rush=True, pressure=True)
-    # 8 slots open, 4 in use: one worker fewer leaves 4, enough; it has a sequence beyond
-    # its reserve (30% of 4 = 1 slot, but 1 decoding + 1 arriving), so it is fenced first
-    assert plan.fence == ("decode0",) and plan.to_prefill == ()
-    idle = plan_conversions(_demo(2, active=0, in_flight=0), in_rush=True, pressure=True)
+    # 8 slots open, 3 in use: one worker fewer leaves 4, one spare; the least loaded has
+    # KV on its way, so it is fenced first
+    assert plan.fence == ("decode1",) and plan.to_prefill == ()
+    idle = plan_conversions(_demo(2, busy=False), in_rush=True, pressure=True)
     assert idle.to_prefill == ("decode0",)  # nothing in use: even 2 slots are headroom
 
 
@@ -105,4 +111,4 @@ def test_chosen_workers_always_leave_the_slots_in_use(
     chosen = {*plan.fence, *plan.to_prefill} - already
     left = sum(w.decode_slots for w in workers if not w.fenced and w.worker_id not in chosen)
     if chosen:
-        assert left >= decode_in_use(workers)
+        assert left > decode_in_use(workers)

@@ -35,14 +35,17 @@ Pieces:
   chosen, it is fenced the same way (no new sequences) until its decode drains to the
   reserve; a converted worker still prefilling is *drained* (takes no new prefill)
   and converted back on a later update. *Decode headroom*: a worker is chosen only if the
-  decode workers left open keep at least as many decode slots as the decode pool uses now
-  (sequences decoding plus KV on its way: :func:`decode_in_use`). Every request a prefill
-  worker takes holds a decode slot from the moment it is routed (its KV streams to that
-  slot while it is computed) until its decode ends, so throughput is at most the slots
-  over that holding time: a conversion that leaves fewer slots than the load uses now
-  lowers it, whatever prefill the converted worker adds. Where decode slots are plentiful
-  (hundreds per instance in the simulator) this never binds; with the demo's 2 slots per
-  decode worker it forbids converting one of two (2 slots left for 3 or more in use).
+  decode workers left open keep more decode slots than the decode pool uses now
+  (sequences decoding plus KV on its way: :func:`decode_in_use`), at least one spare for
+  the converted worker's first request. Every request a prefill worker takes holds a
+  decode slot from the moment it is routed (its KV streams to that slot while it is
+  computed) until its decode ends, so throughput is at most the open slots over that
+  holding time: with ``S`` slots left and ``U`` in use, a conversion changes throughput
+  by at most ``S / U``, a loss for ``S < U`` and nothing for ``S = U``, whatever prefill
+  the converted worker adds. Where decode slots are plentiful (hundreds per instance in
+  the simulator) this never binds; with the demo's 2 slots per decode worker it forbids
+  converting one of two in a rush (2 slots left, at least 2 in use: one per busy
+  prefill worker).
 * Chunked prefill on a converted worker: ``chunk_tokens`` (512) per iteration, with
   ``decode_reserve`` (30%) of its decode slots kept for the sequences it was decoding,
   so a converted worker never abandons them (:meth:`ADPConfig.reserved_slots`).
@@ -420,8 +423,9 @@ def plan_conversions(
     once its KV is acknowledged: never before. The same holds for a chosen worker running
     more decode sequences than the chunked-prefill reserve keeps: fenced, it gets no new
     ones, and it is converted once the ones it has drained to the reserve. A worker is
-    chosen only while the decode workers left open keep at least :func:`decode_in_use`
-    slots (decode headroom, module docstring); a fenced worker's slots no longer count.
+    chosen only while the decode workers left open keep more slots than
+    :func:`decode_in_use` (decode headroom, module docstring); a fenced worker's slots no
+    longer count.
     """
     natives = [w for w in workers if w.native == "decode"]
     converted = [w for w in natives if w.converted]
@@ -450,7 +454,7 @@ def plan_conversions(
         for w in pool:
             if len(new) == min(room, config.convert_step):
                 break
-            if left - w.decode_slots < in_use:  # decode would become the bottleneck
+            if left - w.decode_slots <= in_use:  # no gain: decode would be the bottleneck
                 short = True
                 continue
             new.append(w)
@@ -465,7 +469,7 @@ def plan_conversions(
     elif short:
         why = (
             f"rush: holding, no decode headroom ({in_use} decode slots in use, {left} open; "
-            "one worker fewer would leave too few)"
+            "one worker fewer would leave no slot spare)"
         )
     else:
         why = f"rush: holding ({len(converted)}/{cap} converted)"
