@@ -36,51 +36,37 @@ from topkv.transport.errors import (
 from topkv.transport.handshake import client_handshake
 from topkv.transport.options import SourceOptions, StreamSource
 from topkv.transport.receiving import error_from_ack, read_replies
-from topkv.transport.sending import ControlConnections, QueuedOutgoing
-from topkv.transport.sockio import send_buffers
+from topkv.transport.sending import ControlChannel, ControlConnections, QueuedOutgoing
 
 
-class _Connection:
+class _Connection(ControlChannel):
     """One control connection to a sink and the engine peer attached through it."""
 
     def __init__(self, source: EngineSource, host: str, port: int) -> None:
         self.source = source
         try:
-            self.sock = socket.create_connection((host, port), timeout=source.connect_timeout)
+            sock = socket.create_connection((host, port), timeout=source.connect_timeout)
         except OSError as exc:
             raise PeerDied(f"cannot connect to {source.name} sink at {host}:{port}: {exc}") from exc
         try:
-            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            client_handshake(self.sock, source.secret)
-            self.capacity, metadata = read_hello(self.sock)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            client_handshake(sock, source.secret)
+            self.capacity, metadata = read_hello(sock)
             self.peer = source.engine.attach(metadata, host)
         except BaseException:
-            self.sock.close()
+            sock.close()
             raise
-        self.sock.settimeout(source.io_timeout)
-        self.send_lock = threading.Lock()
+        super().__init__(sock, source.io_timeout)
         self.lock = threading.Lock()
         self.replies: dict[int, queue.SimpleQueue[framing.Control | TransportError]] = {}
-        self.dead: TransportError | None = None
         self.abort = threading.Event()
         self.outgoing: set[_EngineOutgoing] = set()
         threading.Thread(
             target=self._read_loop, name=f"{source.name}-src-read", daemon=True
         ).start()
 
-    def send(self, *records: bytes) -> None:
-        with self.send_lock:
-            if self.dead is not None:
-                raise self.dead
-            send_buffers(self.sock, records)
-
     def expect(self, request_id: int) -> queue.SimpleQueue[framing.Control | TransportError]:
-        replies: queue.SimpleQueue[framing.Control | TransportError] = queue.SimpleQueue()
-        with self.lock:
-            if self.dead is not None:
-                raise self.dead
-            self.replies[request_id] = replies
-        return replies
+        return self._wait_for_reply(self.lock, self.replies, request_id, queue.SimpleQueue())
 
     def forget(self, request_id: int) -> None:
         with self.lock:

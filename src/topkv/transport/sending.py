@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import socket
 import threading
 import time
 from abc import abstractmethod
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future, InvalidStateError
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
@@ -20,6 +22,7 @@ from topkv.transport.base import (
     TransportMode,
 )
 from topkv.transport.errors import FrameRejected, TransferCancelled, TransportError
+from topkv.transport.sockio import send_buffers
 
 
 @dataclass(frozen=True)
@@ -211,6 +214,42 @@ class HostOutgoing(QueuedOutgoing[LayerItem]):
     @abstractmethod
     def _wake(self) -> None:
         """Wake every sender thread (each then sees ``_error``, or its finish marker)."""
+
+
+WaiterT = TypeVar("WaiterT")
+
+
+class ControlChannel:
+    """A source's side of one authenticated control connection to a sink: serialized
+    sends, with ``dead`` the error it died of once it failed or closed (then every send and
+    every new wait for a reply raises it). Subclasses read the replies and set ``dead``."""
+
+    def __init__(self, sock: socket.socket, io_timeout: float) -> None:
+        sock.settimeout(io_timeout)
+        self.sock = sock
+        self.send_lock = threading.Lock()
+        self.dead: TransportError | None = None
+
+    def send(self, *buffers: bytes | memoryview) -> None:
+        with self.send_lock:
+            if self.dead is not None:
+                raise self.dead
+            send_buffers(self.sock, buffers)
+
+    def _wait_for_reply(
+        self,
+        lock: AbstractContextManager[object],
+        waiters: dict[int, WaiterT],
+        request_id: int,
+        waiter: WaiterT,
+    ) -> WaiterT:
+        """Add ``waiter`` to ``waiters`` (guarded by ``lock``) for ``request_id``'s reply,
+        unless the connection is dead (then its error is raised)."""
+        with lock:
+            if self.dead is not None:
+                raise self.dead
+            waiters[request_id] = waiter
+        return waiter
 
 
 class ControlConnection(Protocol):

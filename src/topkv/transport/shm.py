@@ -61,7 +61,7 @@ from topkv.transport.receiving import (
     read_replies,
     status_for,
 )
-from topkv.transport.sending import ControlConnections, HostOutgoing, LayerItem
+from topkv.transport.sending import ControlChannel, ControlConnections, HostOutgoing, LayerItem
 from topkv.transport.shm_segments import (
     SEGMENT_DIR,
     create_segment,
@@ -71,7 +71,6 @@ from topkv.transport.shm_segments import (
     sweep_stale_segments,
 )
 from topkv.transport.shm_segments import segments_of as segments_of  # for leak checks
-from topkv.transport.sockio import send_buffers
 
 _connection_ids = itertools.count(1)
 
@@ -94,39 +93,31 @@ class _Segment:
     busy: bool = False
 
 
-class _Connection:
+class _Connection(ControlChannel):
     """One control connection to a sink, with the segments that sink has mapped."""
 
     def __init__(self, source: ShmSource, path: str) -> None:
         self.source = source
         self.id = next(_connection_ids)
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(source.connect_timeout)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(source.connect_timeout)
         try:
-            self.sock.connect(path)
-            client_handshake(self.sock, source.secret)
+            sock.connect(path)
+            client_handshake(sock, source.secret)
         except OSError as exc:
-            self.sock.close()
+            sock.close()
             raise PeerDied(f"cannot connect to shm sink at {path}: {exc}") from exc
         except BaseException:
-            self.sock.close()
+            sock.close()
             raise
-        self.sock.settimeout(source.io_timeout)
-        self.send_lock = threading.Lock()
+        super().__init__(sock, source.io_timeout)
         self.cond = threading.Condition()
         self.create_lock = threading.Lock()
         self.segments: dict[int, _Segment] = {}
         self.mapped: dict[int, threading.Event] = {}
         self.acks: dict[int, Future[framing.Control]] = {}
-        self.dead: TransportError | None = None
         self._next_segment = itertools.count(1)
         threading.Thread(target=self._read_loop, name="shm-src-read", daemon=True).start()
-
-    def send(self, *buffers: bytes | memoryview) -> None:
-        with self.send_lock:
-            if self.dead is not None:
-                raise self.dead
-            send_buffers(self.sock, buffers)
 
     def control(self, kind: framing.ControlKind, request_id: int = 0, **kw: int) -> None:
         self.send(framing.encode_control(framing.Control(kind, request_id, **kw)))  # type: ignore[arg-type]
@@ -172,12 +163,7 @@ class _Connection:
                 self.cond.notify_all()
 
     def expect_ack(self, request_id: int) -> Future[framing.Control]:
-        future: Future[framing.Control] = Future()
-        with self.cond:
-            if self.dead is not None:
-                raise self.dead
-            self.acks[request_id] = future
-        return future
+        return self._wait_for_reply(self.cond, self.acks, request_id, Future())
 
     def acquire(self, nbytes: int) -> _Segment:
         deadline = time.monotonic() + self.source.io_timeout
