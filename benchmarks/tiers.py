@@ -8,11 +8,18 @@
   is installed), and whether direct I/O was possible there;
 * the peer: one safetensors file per request per layer, as vLLM's ExampleConnector stores
   KV (``safetensors.numpy``), written and read back;
-* LMCache's CPU/disk backend only where ``import lmcache`` works (the report says why not).
+* LMCache's CPU/disk backend only where ``import lmcache`` works (the report says why not);
+* the device tier where torch sees a GPU (``TorchDeviceTier``: one ``torch.uint8`` arena on
+  the GPU, pinned staging, CRC-64 checked on every read back) put and get of the same KV vs
+  a torch ``copy_`` of as many bytes, host to GPU and back, measured in the same run, from
+  pinned memory (the link's limit) and from pageable memory (the frames' bytes as they
+  are); ``--device cpu`` runs the same code on a CPU tensor (a check of the benchmark, not
+  a GPU figure).
 
 Runs are interleaved (limit, tier, limit, tier ...) and the medians reported. Not a test:
 figures depend on the machine, its disk and its load (printed with the figures).
-Usage: ``python benchmarks/tiers.py [--json] [--size BYTES] [--repeat N] [--dir DIR]``
+Usage: ``python benchmarks/tiers.py [--json] [--size BYTES] [--repeat N] [--dir DIR]
+[--device auto|cpu|none]``
 """
 
 from __future__ import annotations
@@ -143,7 +150,69 @@ def _lmcache() -> dict[str, Any]:
             "its CPU/disk backend needs a vLLM engine config, not driven here"}  # fmt: skip
 
 
-def run(size: int, repeat: int, directory: Path) -> dict[str, Any]:
+def _device_tier(kv: HeldKV, repeat: int, device: str) -> dict[str, Any]:
+    """The device tier's put/get vs torch ``copy_`` of as many bytes, interleaved."""
+    try:
+        import torch
+    except ImportError:
+        return {"ran": False, "why": "torch is not installed (the model extra)"}
+    if device == "none":
+        return {"ran": False, "why": "--device none"}
+    if device == "auto" and not torch.cuda.is_available():
+        return {"ran": False, "why": f"torch {torch.__version__} sees no CUDA GPU"}
+    from topkv.service.tier_device import TorchDeviceTier
+    from topkv.service.tier_torch_arena import TorchArena
+
+    dev = torch.device("cuda" if device == "auto" else device)
+    cuda = dev.type == "cuda"
+    nbytes = kv.layout.total_bytes
+    tier = TorchDeviceTier(TorchArena(nbytes + (1 << 20), dev), 1)
+    on_dev = torch.ones(nbytes, dtype=torch.uint8, device=tier.arena.device)
+    pinned = torch.ones(nbytes, dtype=torch.uint8, pin_memory=cuda)
+    pageable = torch.from_numpy(np.ones(nbytes, np.uint8))
+    out = memoryview(np.ones(nbytes, np.uint8))  # the engine's host buffers of a decode
+
+    def copy(dst: Any, src: Any) -> Callable[[], None]:
+        def run() -> None:
+            dst.copy_(src, non_blocking=cuda)
+            if cuda:
+                torch.cuda.synchronize(tier.arena.device)
+
+        return run
+
+    times: dict[str, list[float]] = {k: [] for k in ("h2d", "d2h", "h2d_pg", "d2h_pg", "put",
+                                                     "get")}  # fmt: skip
+    tier.write(kv)  # warm: the staging buffers and the output's pages are touched once
+    tier.read(kv.request_id, kv.layout, kv.crcs, out=out)
+    tier.drop(kv.request_id)
+    for _ in range(repeat):
+        times["h2d"].append(_time(copy(on_dev, pinned)))
+        times["put"].append(_time(lambda: tier.write(kv)))
+        times["h2d_pg"].append(_time(copy(on_dev, pageable)))
+        times["d2h"].append(_time(copy(pinned, on_dev)))
+        times["get"].append(_time(lambda: tier.read(kv.request_id, kv.layout, kv.crcs, out=out)))
+        times["d2h_pg"].append(_time(copy(pageable, on_dev)))
+        tier.drop(kv.request_id)
+    if bytes(out[:4096]) != bytes(kv.layers[0][0][:4096]):
+        raise SystemExit("device tier read back other bytes")  # never reported as a figure
+    med = {k: statistics.median(v) for k, v in times.items()}
+    tier.close()
+    return {
+        "ran": True,
+        "device": tier.device_name,
+        "kind": tier.kind,
+        "pinned_staging": tier.arena.pinned,
+        "put_ratio": med["h2d"] / med["put"],  # vs pinned copy_: the link's limit
+        "get_ratio": med["d2h"] / med["get"],
+        "put_ratio_pageable": med["h2d_pg"] / med["put"],
+        "get_ratio_pageable": med["d2h_pg"] / med["get"],
+        **{f"{k}_gbps": nbytes / v / 1e9 for k, v in med.items()},
+        "note": "put/get: the KV's tensors through two staging buffers (pinned on CUDA); get "
+        "checks every tensor's CRC-64 (copy_ checks nothing)",
+    }
+
+
+def run(size: int, repeat: int, directory: Path, device_tier: str = "auto") -> dict[str, Any]:
     kv = _kv(size)
     nbytes = kv.layout.total_bytes
     # host tier vs memcpy between pre-faulted buffers
@@ -203,8 +272,19 @@ def run(size: int, repeat: int, directory: Path) -> dict[str, Any]:
         else {k.replace("_s", ""): raw_bytes / v / 1e9 for k, v in dd.items()},
         "peer_safetensors_per_layer": _safetensors_peer(kv, directory, repeat),
         "peer_lmcache": _lmcache(),
+        **_device_summary(_device_tier(kv, repeat, device_tier)),
         "repeat": repeat,
         "load_avg_1m": os.getloadavg()[0],
+    }
+
+
+def _device_summary(report: dict[str, Any]) -> dict[str, Any]:
+    """``device_put_ratio``/``device_get_ratio`` (None where no GPU ran) and the details."""
+    gpu = report.get("kind") == "gpu"
+    return {
+        "device_put_ratio": report["put_ratio"] if gpu else None,
+        "device_get_ratio": report["get_ratio"] if gpu else None,
+        "device_tier": report,
     }
 
 
@@ -214,9 +294,15 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=256 << 20, help="bytes of the KV cache")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--dir", type=Path, default=None, help="disk tier directory")
+    parser.add_argument(
+        "--device",
+        default="auto",
+        help="device tier: auto (a CUDA GPU if torch sees one), cpu (the same code on a CPU "
+        "tensor, a check), none",
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="topkv-tiers-") as tmp:
-        report = run(args.size, args.repeat, Path(tmp))
+        report = run(args.size, args.repeat, Path(tmp), args.device)
     if args.json:
         print(json.dumps(report))
         return

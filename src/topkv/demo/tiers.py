@@ -1,13 +1,14 @@
 """KV memory tiers in the demo (``topkv demo --device-kv-capacity K``).
 
-Each decode worker keeps at most K caches on its device tier (host memory standing in
-for GPU memory, as the worker labels it) and demotes the least soon needed ones, in the
-worker's order, to host DRAM, then an emulated CXL tier (the paper's 150 ns / 64 GB/s,
-paced and labelled emulated, not dilated), then disk files in the run's directory; a
-cache is promoted back before its decode. The lower tiers are sized to hold a few of the
-demo model's caches (a 1,024-token cache is 4.7 MB), so a burst reaches all of them.
-Each request then reports the tiers its KV visited, its promotion time and the part of
-it decode waited for (``requests[].tiers``, ``promotion_ms``, ``exposed_promotion_ms``).
+Each decode worker keeps at most K caches on its device tier (GPU memory where torch sees a
+GPU, else host memory standing in for it, as the worker labels it) and demotes the least
+soon needed ones, in the worker's order, to host DRAM, then an emulated CXL tier (the
+paper's 150 ns / 64 GB/s, paced and labelled emulated, not dilated), then disk files in the
+run's directory; a cache is promoted back before its decode. The lower tiers are sized to
+hold a few of the demo model's caches (a 1,024-token cache is 4.7 MB), so a burst reaches
+all of them. Each request then reports the tiers its KV visited, its promotion time and the
+part of it decode waited for (``requests[].tiers``, ``promotion_ms``,
+``exposed_promotion_ms``).
 """
 
 from __future__ import annotations

@@ -129,8 +129,9 @@ class TorchArena:
         if self.cuda:
             self._stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
         self.pinned = self.cuda
-        self._stages = [
-            torch.empty(stage_bytes, dtype=torch.uint8, pin_memory=self.pinned) for _ in range(2)
+        self._stages = [  # touched now (zero_), not on the first copy
+            torch.empty(stage_bytes, dtype=torch.uint8, pin_memory=self.pinned).zero_()
+            for _ in range(2)
         ]
         self._stage_np = [s.numpy() for s in self._stages]
         self._events: list[torch.cuda.Event | None] = [None, None]
@@ -182,11 +183,12 @@ class TorchArena:
 
     def _copy_async(self, dst: torch.Tensor, src: torch.Tensor, stage: int) -> None:
         """``dst.copy_(src)``: on CUDA ``non_blocking`` on the arena's stream, with an
-        event that :meth:`_settle` waits on; on the CPU at once."""
+        event that :meth:`_settle` waits on; on the CPU at once, one numpy memcpy on this
+        thread (torch's CPU copy spreads over its intra-op threads, slow on a busy host)."""
         import torch
 
         if self._stream is None:
-            dst.copy_(src)
+            np.copyto(dst.numpy(), src.numpy())
             return
         with torch.cuda.stream(self._stream):
             dst.copy_(src, non_blocking=True)
