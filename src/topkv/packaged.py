@@ -13,6 +13,10 @@ DATA_DIR = Path(__file__).resolve().parent / "data"
 #: The first 4,000 requests of the Azure LLM inference trace 2023, conversation (CC-BY 4.0).
 SAMPLE_TRACE = DATA_DIR / "azure_2023_conv_first4000.csv"
 
+#: The first day of ServeGen's 162 language m-large clients' request rates (Apache-2.0): a
+#: rate table (:mod:`topkv.traces`), 144 ten-minute windows per client.
+SERVEGEN_DAY = DATA_DIR / "servegen_m_large_day1.csv.gz"
+
 #: ``nvidia-smi topo -m`` of an 8x H100 NV18 server with 8 NICs (sglang issue #30401).
 H100_TOPOLOGY = DATA_DIR / "sglang-30401-h100-8gpu-nv18-8nic.txt"
 

@@ -17,7 +17,10 @@ Formats (samples in ``topkv/data`` and ``tests/fixtures/traces``):
   inter-arrival distribution (Gamma or Weibull) in each window. Arrivals are drawn from that
   distribution rescaled to the window's mean rate (its shape, hence its burstiness, kept).
   The release has no per-request lengths, so prompt and output lengths are drawn from
-  log-normal distributions whose medians are parameters.
+  log-normal distributions whose medians are parameters. Or every client in one *rate
+  table* (plain or gzip CSV, header ``client,window_start_s,rate_rps,distribution,shape``:
+  the columns arrivals are drawn from), as the packaged day of m-large
+  (:data:`topkv.packaged.SERVEGEN_DAY`).
 * Synthetic: Poisson or Gamma (given coefficient of variation) arrivals.
 
 A malformed row raises :class:`TraceFormatError` naming the file and line; a bad parameter
@@ -27,9 +30,11 @@ or an unreadable trace :class:`TraceError` (both :class:`topkv.errors.ConfigErro
 from __future__ import annotations
 
 import csv
+import gzip
 import json
 import math
 import re
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -40,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from topkv.errors import ConfigError
-from topkv.inputs import InputFileError, excerpt, text_lines
+from topkv.inputs import MAX_LINE_BYTES, InputFileError, excerpt, text_lines
 
 
 class TraceError(ConfigError):
@@ -219,6 +224,16 @@ class ServeGenOptions:
     output_sigma: float = 1.0
     max_tokens: int = 32768
     seed: int = 0
+    #: Every client's rate multiplied by this (its inter-arrival shape, hence its
+    #: burstiness, kept): the rates scaled to a cluster.
+    rate_scale: float = 1.0
+
+
+#: The header of a ServeGen rate table: every client's windows in one CSV.
+SERVEGEN_TABLE_HEADER = ("client", "window_start_s", "rate_rps", "distribution", "shape")
+
+#: One window of one client: start (s), mean rate (req/s), distribution, shape.
+Window = tuple[float, float, str, float]
 
 
 def _servegen_files(path: Path) -> list[Path]:
@@ -228,6 +243,28 @@ def _servegen_files(path: Path) -> list[Path]:
             raise TraceError(f"{path}: no ServeGen rate files (*-trace.csv) in this directory")
         return files
     return [path]
+
+
+def _is_table(path: Path) -> bool:
+    first = next(_lines(path, "a ServeGen rate table"), "")
+    return tuple(c.strip() for c in first.split(",")) == SERVEGEN_TABLE_HEADER
+
+
+def servegen_clients(path: Path) -> list[list[Window]]:
+    """Each client's windows: from a rate table, or one rate file each (a file or a
+    directory of them)."""
+    if path.is_file() and _is_table(path):
+        return _servegen_table(path)
+    return [_servegen_windows(file) for file in _servegen_files(path)]
+
+
+def servegen_profile(path: Path) -> list[tuple[float, float]]:
+    """``(window_start_s, total rate)``: the rates of all clients summed per window start."""
+    totals: dict[float, float] = {}
+    for windows in servegen_clients(path):
+        for start, rate, _, _ in windows:
+            totals[start] = totals.get(start, 0.0) + rate
+    return sorted(totals.items())
 
 
 #: Most requests one ServeGen window may generate (rate x window length): memory stays
@@ -240,8 +277,10 @@ def read_servegen(path: Path, options: ServeGenOptions | None = None) -> Workloa
     opts = options or ServeGenOptions()
     if opts.duration_s <= 0:
         raise TraceError(f"ServeGen duration must be > 0 s, got {opts.duration_s}")
+    if not (opts.rate_scale > 0 and math.isfinite(opts.rate_scale)):
+        raise TraceError(f"ServeGen rate scale must be a finite number > 0, got {opts.rate_scale}")
     rng = np.random.default_rng(opts.seed)
-    per_file = [_servegen_windows(file) for file in _servegen_files(path)]
+    per_file = servegen_clients(path)
     start_s = opts.start_s
     if start_s is None:
         active = [w[0] for windows in per_file for w in windows if w[1] > 0]
@@ -250,6 +289,7 @@ def read_servegen(path: Path, options: ServeGenOptions | None = None) -> Workloa
     arrivals: list[np.ndarray] = []
     for windows in per_file:
         for i, (start, rate, dist, shape) in enumerate(windows):
+            rate *= opts.rate_scale
             stop = windows[i + 1][0] if i + 1 < len(windows) else start + _default_window(windows)
             lo, hi = max(start, start_s), min(stop, end_s)
             if rate <= 0 or hi <= lo:
@@ -270,18 +310,19 @@ def read_servegen(path: Path, options: ServeGenOptions | None = None) -> Workloa
     inp = _lognormal_tokens(rng, opts.input_median, opts.input_sigma, n, opts.max_tokens)
     out = _lognormal_tokens(rng, opts.output_median, opts.output_sigma, n, opts.max_tokens)
     rows = [(float(t), int(a), int(b)) for t, a, b in zip(times, inp, out, strict=True)]
-    return _finish(f"servegen:{path.name}", rows)
+    scaled = "" if opts.rate_scale == 1.0 else f"x{opts.rate_scale:g}"
+    return _finish(f"servegen:{path.name}{scaled}", rows)
 
 
-def _default_window(windows: list[tuple[float, float, str, float]]) -> float:
+def _default_window(windows: list[Window]) -> float:
     if len(windows) >= 2:
         return windows[1][0] - windows[0][0]
     return 600.0
 
 
-def _servegen_windows(file: Path) -> list[tuple[float, float, str, float]]:
+def _servegen_windows(file: Path) -> list[Window]:
     name = str(file)
-    out: list[tuple[float, float, str, float]] = []
+    out: list[Window] = []
     reader = csv.reader(_lines(file, "a ServeGen rate CSV"))
     with _csv_errors(name, reader):
         for row in reader:
@@ -295,31 +336,61 @@ def _servegen_windows(file: Path) -> list[tuple[float, float, str, float]]:
                     f"expected 6 fields (start,rate,cv,distribution,shape,scale), got {len(row)}",
                 )
             try:
-                start, rate, _cv = float(row[0]), float(row[1]), float(row[2])
-                shape = float(row[4]) if row[4].strip() else 0.0
-                float(row[5] or 0)
+                float(row[2]), float(row[5] or 0)
             except ValueError:
                 raise TraceFormatError(name, line, "a numeric field is not a number") from None
-            dist = row[3].strip()
-            if not all(math.isfinite(v) for v in (start, rate, shape)) or rate < 0:
-                raise TraceFormatError(
-                    name, line, "start, rate and shape must be finite, rate >= 0"
-                )
-            if rate > 0:
-                if dist not in ("Gamma", "Weibull", "Exponential"):
-                    raise TraceFormatError(
-                        name,
-                        line,
-                        f"distribution {excerpt(dist)} is not Gamma, Weibull or Exponential",
-                    )
-                if dist != "Exponential" and shape <= 0:
-                    raise TraceFormatError(name, line, f"{dist} shape {shape} must be > 0")
-            if out and start <= out[-1][0]:
-                raise TraceFormatError(name, line, "window starts must increase")
-            out.append((start, rate, dist, shape))
+            _add_window(name, line, out, row[0], row[1], row[3], row[4])
     if not out:
         raise TraceFormatError(name, 1, "the rate file has no rows")
     return out
+
+
+def _servegen_table(file: Path) -> list[list[Window]]:
+    """A rate table's windows per client (in the order the clients first appear)."""
+    name = str(file)
+    clients: dict[str, list[Window]] = {}
+    reader = csv.reader(_lines(file, "a ServeGen rate table"))
+    with _csv_errors(name, reader):
+        next(reader)  # the header (checked by the caller)
+        for row in reader:
+            line = reader.line_num
+            if not row or all(not c.strip() for c in row):
+                continue
+            if len(row) != len(SERVEGEN_TABLE_HEADER):
+                raise TraceFormatError(
+                    name, line, f"expected 5 fields ({','.join(SERVEGEN_TABLE_HEADER)})"
+                )
+            client = row[0].strip()
+            if not client:
+                raise TraceFormatError(name, line, "the client is empty")
+            _add_window(name, line, clients.setdefault(client, []), *row[1:])
+    if not clients:
+        raise TraceFormatError(name, 2, "the rate table has no rows")
+    return list(clients.values())
+
+
+def _add_window(
+    name: str, line: int, out: list[Window], start_t: str, rate_t: str, dist_t: str, shape_t: str
+) -> None:
+    """Check one window of a client and append it to ``out`` (its earlier windows)."""
+    try:
+        start, rate = float(start_t), float(rate_t)
+        shape = float(shape_t) if shape_t.strip() else 0.0
+    except ValueError:
+        raise TraceFormatError(name, line, "a numeric field is not a number") from None
+    dist = dist_t.strip()
+    if not all(math.isfinite(v) for v in (start, rate, shape)) or rate < 0:
+        raise TraceFormatError(name, line, "start, rate and shape must be finite, rate >= 0")
+    if rate > 0:
+        if dist not in ("Gamma", "Weibull", "Exponential"):
+            raise TraceFormatError(
+                name, line, f"distribution {excerpt(dist)} is not Gamma, Weibull or Exponential"
+            )
+        if dist != "Exponential" and shape <= 0:
+            raise TraceFormatError(name, line, f"{dist} shape {shape} must be > 0")
+    if out and start <= out[-1][0]:
+        raise TraceFormatError(name, line, "window starts must increase")
+    out.append((start, rate, dist, shape))
 
 
 def _renewal_arrivals(
@@ -422,7 +493,7 @@ def detect_format(path: Path) -> str:
         return "mooncake"
     if first.replace(" ", "").startswith("TIMESTAMP,"):
         return "azure"
-    if first.count(",") == 5:
+    if first.count(",") == 5 or first.startswith("client,window_start_s,"):
         return "servegen"
     raise TraceError(
         f"{path}: cannot tell the trace format from its first line {first[:60]!r}; expected "
@@ -452,8 +523,24 @@ _TRACE = "a trace (Azure 2023 CSV, Mooncake JSONL or ServeGen rate CSV)"
 
 
 def _lines(path: Path, what: str = _TRACE) -> Iterator[str]:
-    """The trace's lines, strict UTF-8 (:func:`topkv.inputs.text_lines`)."""
+    """The trace's lines, strict UTF-8 (:func:`topkv.inputs.text_lines`); a ``.gz`` file
+    decompressed first."""
+    if path.name.endswith(".gz"):
+        return _gzip_lines(path, what)
     return text_lines(path, what=what)
+
+
+def _gzip_lines(path: Path, what: str) -> Iterator[str]:
+    try:
+        with gzip.open(path, "rt", encoding="utf-8", errors="strict", newline="") as handle:
+            number = 0
+            while line := handle.readline(MAX_LINE_BYTES + 1):
+                number += 1
+                if len(line) > MAX_LINE_BYTES:
+                    raise InputFileError(path, f"line too long; expected {what}", number)
+                yield line
+    except (OSError, EOFError, zlib.error, UnicodeDecodeError) as exc:
+        raise InputFileError(path, f"not a readable gzip file ({exc}); expected {what}") from None
 
 
 @contextmanager
