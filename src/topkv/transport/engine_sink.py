@@ -28,14 +28,13 @@ from topkv.transport.engine import (
     send_hello,
 )
 from topkv.transport.errors import (
-    ChecksumMismatch,
     FrameRejected,
     PeerDied,
     ResourceExhausted,
     TransferCancelled,
     TransportError,
 )
-from topkv.transport.listening import ControlSession, ListeningSink
+from topkv.transport.listening import ControlSession, ListeningSink, crc_mismatch
 from topkv.transport.options import SinkOptions
 from topkv.transport.receiving import LayerMessage, TransferMessage, status_for
 
@@ -121,11 +120,7 @@ class _SinkSession(ControlSession[EngineSink, _Incoming]):
 
     def _open(self, message: TransferMessage) -> None:
         descriptor = message.descriptor
-        rid = descriptor.request_id
-        if message.streams != 1:
-            raise FrameRejected(f"{self.sink._scheme} transfers use one stream")
-        if rid in self.transfers:
-            raise FrameRejected(f"request {rid} opened twice")
+        rid = self._check_open(message)
         try:
             self._table.claimable(rid)
             offset = self.sink._arena.allocate(descriptor.layout.total_bytes, self.sink._io_timeout)
@@ -151,9 +146,7 @@ class _SinkSession(ControlSession[EngineSink, _Incoming]):
         if state is None:
             raise FrameRejected("layer frame for a request that is not open")
         header = framing.decode_layer_header(message.raw, state.descriptor)
-        if header.layer in state.arrived:
-            raise FrameRejected(f"request {header.request_id}: layer {header.layer} sent twice")
-        state.arrived.add(header.layer)
+        self._arrive(state, header)
         if state.error is not None:
             return
         layout = state.descriptor.layout
@@ -162,16 +155,9 @@ class _SinkSession(ControlSession[EngineSink, _Incoming]):
             for index, crc in enumerate(header.crcs):
                 start = base + index * layout.tensor_bytes
                 if self.sink.engine.crc(start, layout.tensor_bytes) != crc:
-                    state.error = ChecksumMismatch(
-                        f"request {header.request_id} layer {header.layer} tensor {index}: "
-                        "CRC-64 mismatch"
-                    )
+                    state.error = crc_mismatch(header, index)
                     return
-        if self.sink._on_layer is not None:
-            try:
-                self.sink._on_layer(state.descriptor, header.layer, state.layers[header.layer])
-            except Exception as exc:
-                state.error = TransportError(f"on_layer callback raised: {exc!r}")
+        self._deliver(state, header.layer, state.layers[header.layer])
 
     def _control(self, control: framing.Control) -> None:
         rid = control.request_id
@@ -190,9 +176,7 @@ class _SinkSession(ControlSession[EngineSink, _Incoming]):
 
     def _done(self, state: _Incoming) -> None:
         rid = state.descriptor.request_id
-        missing = state.descriptor.layout.num_layers - len(state.arrived)
-        if state.error is None and missing:
-            state.error = FrameRejected(f"request {rid}: {missing} layers never arrived")
+        self._check_complete(state)
         if state.error is not None:
             error = state.error
             self._forget(state)

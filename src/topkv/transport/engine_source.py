@@ -36,7 +36,7 @@ from topkv.transport.errors import (
 from topkv.transport.handshake import client_handshake
 from topkv.transport.options import SourceOptions, StreamSource
 from topkv.transport.receiving import error_from_ack, read_replies
-from topkv.transport.sending import ControlChannel, ControlConnections, QueuedOutgoing
+from topkv.transport.sending import FINISH, ControlChannel, ControlConnections, QueuedOutgoing
 
 
 class _Connection(ControlChannel):
@@ -103,15 +103,11 @@ class _Connection(ControlChannel):
         self._die(PeerDied(f"{self.source.name} source closed"))
 
 
-_FINISH = object()
-
-
 class _EngineOutgoing(QueuedOutgoing[EngineLayer]):
     def __init__(self, conn: _Connection, descriptor: TransferDescriptor) -> None:
         super().__init__(descriptor)
         self._conn = conn
         self._engine = conn.source.engine
-        self._queue: queue.SimpleQueue[EngineLayer | object] = queue.SimpleQueue()
         self._replies = conn.expect(descriptor.request_id)
         with conn.lock:
             conn.outgoing.add(self)
@@ -120,19 +116,13 @@ class _EngineOutgoing(QueuedOutgoing[EngineLayer]):
     def _check(self, layer: int, tensors: Sequence[Any], crcs: Sequence[int] | None) -> EngineLayer:
         return self._engine.check(self.descriptor, layer, tensors, crcs)
 
-    def _enqueue(self, item: EngineLayer) -> None:
-        self._queue.put(item)
-
-    def _enqueue_finish(self) -> None:
-        self._queue.put(_FINISH)
-
     def cancel(self) -> None:
         if self._fail(TransferCancelled(f"request {self.descriptor.request_id} cancelled")):
             with contextlib.suppress(TransportError, OSError):
                 self._conn.send(
                     control_record(framing.ControlKind.CANCEL, self.descriptor.request_id)
                 )
-        self._queue.put(_FINISH)
+        self._queue.put(FINISH)
 
     def _fail(self, error: BaseException) -> bool:
         with self._lock:
@@ -144,7 +134,7 @@ class _EngineOutgoing(QueuedOutgoing[EngineLayer]):
     def fail(self, error: TransportError) -> None:
         """Called by the connection when it dies."""
         self._fail(error)
-        self._queue.put(_FINISH)
+        self._queue.put(FINISH)
 
     def _reply(self, timeout: float, what: str) -> framing.Control:
         try:
@@ -182,7 +172,7 @@ class _EngineOutgoing(QueuedOutgoing[EngineLayer]):
             if finishing or self._future.done():
                 break
             entry = self._queue.get()
-            if entry is _FINISH:
+            if entry is FINISH:
                 finishing = True  # send the headers of the writes still in flight, then stop
                 continue
             if self._future.done():

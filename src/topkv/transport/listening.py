@@ -26,8 +26,14 @@ from concurrent.futures import Future
 from typing import Generic, Protocol, TypeVar, Unpack
 
 from topkv.transport import framing
-from topkv.transport.base import ReceivedKV, TransferDescriptor, TransferSink
-from topkv.transport.errors import FrameRejected, PeerDied, TransferTimeout, TransportError
+from topkv.transport.base import LayerTensors, ReceivedKV, TransferDescriptor, TransferSink
+from topkv.transport.errors import (
+    ChecksumMismatch,
+    FrameRejected,
+    PeerDied,
+    TransferTimeout,
+    TransportError,
+)
 from topkv.transport.handshake import server_handshake
 from topkv.transport.options import (
     DEFAULT_HANDSHAKE_TIMEOUT,
@@ -135,11 +141,19 @@ class ListeningSink(TransferSink):
         """Serve one authenticated connection until it ends (or the sink closes)."""
 
 
+def crc_mismatch(header: framing.LayerHeader, index: int) -> ChecksumMismatch:
+    """The error of ``header``'s tensor ``index`` whose bytes fail their CRC-64."""
+    return ChecksumMismatch(
+        f"request {header.request_id} layer {header.layer} tensor {index}: CRC-64 mismatch"
+    )
+
+
 class OpenTransfer(Protocol):
     """What a session knows of each transfer open on it."""
 
     descriptor: TransferDescriptor
     arrived: set[int]
+    error: TransportError | None
 
 
 SinkT = TypeVar("SinkT", bound=ListeningSink)
@@ -207,6 +221,40 @@ class ControlSession(ABC, Generic[SinkT, StateT]):
     def _forget(self, state: StateT) -> None:
         """Drop ``state`` from ``transfers`` and give back what it holds."""
         self.transfers.pop(state.descriptor.request_id, None)
+
+    def _check_open(self, message: TransferMessage) -> int:
+        """The request id ``message`` opens; FrameRejected unless it comes on one stream
+        (records only here) and is not open on this connection already."""
+        rid = message.descriptor.request_id
+        if message.streams != 1:
+            raise FrameRejected(f"{self._label} transfers use one stream")
+        if rid in self.transfers:
+            raise FrameRejected(f"request {rid} opened twice")
+        return rid
+
+    def _arrive(self, state: StateT, header: framing.LayerHeader) -> None:
+        """Count ``header``'s layer as arrived; FrameRejected if it already had."""
+        if header.layer in state.arrived:
+            raise FrameRejected(f"request {header.request_id}: layer {header.layer} sent twice")
+        state.arrived.add(header.layer)
+
+    def _deliver(self, state: StateT, layer: int, tensors: LayerTensors) -> None:
+        """Hand a layer that passed its checks to the sink's ``on_layer`` callback (none
+        while the transfer holds an error); what the callback raises becomes that error."""
+        on_layer = self.sink._on_layer
+        if state.error is None and on_layer is not None:
+            try:
+                on_layer(state.descriptor, layer, tensors)
+            except Exception as exc:
+                state.error = TransportError(f"on_layer callback raised: {exc!r}")
+
+    def _check_complete(self, state: StateT) -> None:
+        """At DONE: a transfer missing layers (and no earlier error) fails FrameRejected."""
+        missing = state.descriptor.layout.num_layers - len(state.arrived)
+        if state.error is None and missing:
+            state.error = FrameRejected(
+                f"request {state.descriptor.request_id}: {missing} layers never arrived"
+            )
 
     @abstractmethod
     def _open(self, message: TransferMessage) -> None: ...

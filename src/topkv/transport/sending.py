@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import queue
 import socket
 import threading
 import time
@@ -106,16 +107,20 @@ def layer_crcs(item: LayerItem) -> tuple[int, ...]:
 
 ItemT = TypeVar("ItemT")
 
+#: What follows the last item on a queued transfer's ``_queue``; also put there (and on
+#: any queue further down) to wake the sender threads when the transfer fails.
+FINISH = object()
+
 
 class QueuedOutgoing(OutgoingTransfer, Generic[ItemT]):
     """An outgoing transfer whose ``send_layer`` hands checked layers to worker threads.
 
     Holds the bookkeeping every queueing transport shares: each layer queued once,
     nothing after ``finish()``, and ``finish()`` failing the transfer when layers are
-    missing before it queues the finish marker. Subclasses supply the hooks: how a call
-    is checked (:meth:`_check`), where items and the marker go (:meth:`_enqueue`,
-    :meth:`_enqueue_finish`) and how the first error is recorded (:meth:`_fail`); they
-    call :meth:`_succeed` once the receiver acknowledged a verified copy.
+    missing before it queues the finish marker. Checked layers, then :data:`FINISH`, go on
+    ``_queue``, which the subclass's sender thread reads. Subclasses supply the hooks: how
+    a call is checked (:meth:`_check`) and how the first error is recorded (:meth:`_fail`);
+    they call :meth:`_succeed` once the receiver acknowledged a verified copy.
     """
 
     def __init__(self, descriptor: TransferDescriptor) -> None:
@@ -126,18 +131,19 @@ class QueuedOutgoing(OutgoingTransfer, Generic[ItemT]):
         self._lock = threading.RLock()  # reentrant: finish() calls _fail() while holding it
         self._queued: set[int] = set()
         self._finished = False
+        self._queue: queue.SimpleQueue[ItemT | object] = queue.SimpleQueue()
 
     @abstractmethod
     def _check(self, layer: int, tensors: Sequence[Buffer], crcs: Sequence[int] | None) -> ItemT:
         """Validate a ``send_layer`` call (raises ``FrameRejected``) into a queue item."""
 
-    @abstractmethod
     def _enqueue(self, item: ItemT) -> None:
         """Hand a checked layer to the sending side."""
+        self._queue.put(item)
 
-    @abstractmethod
     def _enqueue_finish(self) -> None:
         """Tell the sending side that no more layers will come."""
+        self._queue.put(FINISH)
 
     @abstractmethod
     def _fail(self, error: BaseException) -> object:

@@ -19,7 +19,6 @@ import contextlib
 import itertools
 import mmap
 import os
-import queue
 import shutil
 import socket
 import tempfile
@@ -40,7 +39,6 @@ from topkv.transport.base import (
 )
 from topkv.transport.copying import copy_into, copy_with_crc
 from topkv.transport.errors import (
-    ChecksumMismatch,
     FrameRejected,
     PeerDied,
     ResourceExhausted,
@@ -51,7 +49,7 @@ from topkv.transport.errors import (
     wait_for_release,
 )
 from topkv.transport.handshake import client_handshake
-from topkv.transport.listening import ControlSession, ListeningSink
+from topkv.transport.listening import ControlSession, ListeningSink, crc_mismatch
 from topkv.transport.options import SinkOptions, SourceOptions, StreamSource
 from topkv.transport.receiving import (
     LayerMessage,
@@ -61,7 +59,13 @@ from topkv.transport.receiving import (
     read_replies,
     status_for,
 )
-from topkv.transport.sending import ControlChannel, ControlConnections, HostOutgoing, LayerItem
+from topkv.transport.sending import (
+    FINISH,
+    ControlChannel,
+    ControlConnections,
+    HostOutgoing,
+    LayerItem,
+)
 from topkv.transport.shm_segments import (
     SEGMENT_DIR,
     create_segment,
@@ -220,9 +224,6 @@ class _Connection(ControlChannel):
         self._die(PeerDied("shm source closed"))
 
 
-_FINISH = object()
-
-
 class _ShmOutgoing(HostOutgoing):
     """One worker thread copies the layers into a segment; it resolves the future (with
     the first error, if any) once it stops copying."""
@@ -230,17 +231,10 @@ class _ShmOutgoing(HostOutgoing):
     def __init__(self, conn: _Connection, descriptor: TransferDescriptor) -> None:
         super().__init__(descriptor)
         self._conn = conn
-        self._queue: queue.SimpleQueue[LayerItem | object] = queue.SimpleQueue()
         threading.Thread(target=self._run, name="shm-send", daemon=True).start()
 
-    def _enqueue(self, item: LayerItem) -> None:
-        self._queue.put(item)
-
-    def _enqueue_finish(self) -> None:
-        self._queue.put(_FINISH)
-
     def _wake(self) -> None:
-        self._queue.put(_FINISH)
+        self._queue.put(FINISH)
 
     def _run(self) -> None:
         conn = self._conn
@@ -255,7 +249,7 @@ class _ShmOutgoing(HostOutgoing):
             conn.control(framing.ControlKind.USE_SEGMENT, rid, arg0=segment.id)
             while True:
                 item = self._queue.get()
-                if item is _FINISH or self._error is not None:
+                if item is FINISH or self._error is not None:
                     break
                 assert isinstance(item, LayerItem)
                 base = item.layer * layout.layer_bytes
@@ -408,11 +402,7 @@ class _SinkSession(ControlSession[ShmSink, _Incoming]):
         sweep_stale_segments(self.sink._segment_dir)
 
     def _open(self, message: TransferMessage) -> None:
-        rid = message.descriptor.request_id
-        if message.streams != 1:
-            raise FrameRejected("shm transfers use one stream")
-        if rid in self.transfers:
-            raise FrameRejected(f"request {rid} opened twice")
+        rid = self._check_open(message)
         try:
             self._table.claimable(rid)
         except ResourceExhausted as exc:
@@ -434,22 +424,13 @@ class _SinkSession(ControlSession[ShmSink, _Incoming]):
         header = framing.decode_layer_header(message.raw, state.descriptor)
         if not state.layers:
             raise FrameRejected(f"request {header.request_id}: layer before USE_SEGMENT")
-        if header.layer in state.arrived:
-            raise FrameRejected(f"request {header.request_id}: layer {header.layer} sent twice")
-        state.arrived.add(header.layer)
+        self._arrive(state, header)
         views = state.layers[header.layer]
         if state.error is None and self.sink._verify:
             for index, (view, crc) in enumerate(zip(views, header.crcs, strict=True)):
                 if framing.crc64(view) != crc:
-                    state.error = ChecksumMismatch(
-                        f"request {header.request_id} layer {header.layer} tensor {index}: "
-                        "CRC-64 mismatch"
-                    )
-        if state.error is None and self.sink._on_layer is not None:
-            try:
-                self.sink._on_layer(state.descriptor, header.layer, views)
-            except Exception as exc:
-                state.error = TransportError(f"on_layer callback raised: {exc!r}")
+                    state.error = crc_mismatch(header, index)
+        self._deliver(state, header.layer, views)
 
     def _match(self, raw: bytes) -> _Incoming:
         if len(self.transfers) == 1:
@@ -501,9 +482,7 @@ class _SinkSession(ControlSession[ShmSink, _Incoming]):
     def _done(self, state: _Incoming) -> None:
         rid = state.descriptor.request_id
         del self.transfers[rid]
-        missing = state.descriptor.layout.num_layers - len(state.arrived)
-        if state.error is None and missing:
-            state.error = FrameRejected(f"request {rid}: {missing} layers never arrived")
+        self._check_complete(state)
         if state.error is not None:
             self.send_control(
                 framing.Control(

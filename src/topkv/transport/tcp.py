@@ -57,7 +57,7 @@ from topkv.transport.receiving import (
     recv_verified,
     status_for,
 )
-from topkv.transport.sending import HostOutgoing, LayerItem, layer_crcs
+from topkv.transport.sending import FINISH, HostOutgoing, LayerItem, layer_crcs
 from topkv.transport.sockio import recv_exactly, send_buffers, set_io_timeout
 
 log = logging.getLogger(__name__)
@@ -345,9 +345,6 @@ class _Pool:
             sock.close()
 
 
-_FINISH = object()
-
-
 class _TcpOutgoing(HostOutgoing):
     """A checksum stage feeds the layers to one thread per stream, round robin."""
 
@@ -361,9 +358,9 @@ class _TcpOutgoing(HostOutgoing):
         ]
         self._streams_left = self._streams
         self._header = framing.encode_transfer_header(descriptor, self._streams)
-        # Checksum stage: computes the CRCs of layer l+1 while a stream sends layer l (the
-        # layer is then still in the last-level cache when the kernel copies it).
-        self._pending: queue.SimpleQueue[LayerItem | object] = queue.SimpleQueue()
+        # Checksum stage: takes the queued layers and computes the CRCs of layer l+1 while a
+        # stream sends layer l (the layer is then still in the last-level cache when the
+        # kernel copies it).
         self._ahead = threading.Semaphore(CHECKSUM_LOOKAHEAD)
         threading.Thread(target=self._checksum_stage, name="tcp-crc", daemon=True).start()
         for index in range(self._streams):
@@ -371,22 +368,16 @@ class _TcpOutgoing(HostOutgoing):
                 target=self._run_stream, args=(index,), name="tcp-send", daemon=True
             ).start()
 
-    def _enqueue(self, item: LayerItem) -> None:
-        self._pending.put(item)
-
-    def _enqueue_finish(self) -> None:
-        self._pending.put(_FINISH)
-
     def _wake(self) -> None:
-        self._pending.put(_FINISH)
+        self._queue.put(FINISH)
         for q in self._queues:
-            q.put(_FINISH)
+            q.put(FINISH)
 
     def _checksum_stage(self) -> None:
         """Fill in missing CRCs in queue order and hand each layer to its stream."""
         while True:
-            item = self._pending.get()
-            if item is _FINISH or self._error is not None:
+            item = self._queue.get()
+            if item is FINISH or self._error is not None:
                 break
             assert isinstance(item, LayerItem)
             if item.crcs is None:
@@ -398,7 +389,7 @@ class _TcpOutgoing(HostOutgoing):
                 item = LayerItem(item.layer, item.tensors, layer_crcs(item), ahead=True)
             self._queues[item.layer % self._streams].put(item)
         for q in self._queues:
-            q.put(_FINISH)
+            q.put(FINISH)
 
     def _run_stream(self, index: int) -> None:
         sock: socket.socket | None = None
@@ -447,7 +438,7 @@ class _TcpOutgoing(HostOutgoing):
         q = self._queues[index]
         while True:
             item = q.get()
-            if item is _FINISH or self._error is not None:
+            if item is FINISH or self._error is not None:
                 return
             assert isinstance(item, LayerItem)
             crcs = layer_crcs(item)
