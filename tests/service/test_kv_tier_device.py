@@ -11,6 +11,8 @@ them on a GPU machine.
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -71,6 +73,23 @@ def _segments(sizes: list[int], seed: int = 0) -> list[memoryview]:
 
 def _tier(capacity: int, device: Any = CPU, stage: int = 64 << 10) -> TorchDeviceTier:
     return TorchDeviceTier(TorchArena(capacity, device, stage_bytes=stage), 2)
+
+
+def test_torch_is_imported_only_when_a_torch_tier_is_opened() -> None:
+    """torch is optional (the model extra): importing the tier modules and opening the
+    stand-in never import it."""
+    code = (
+        "import sys\n"
+        "import topkv.service.worker, topkv.service.tier_device, topkv.service.tier_torch_arena\n"
+        "from topkv.service.tier_config import TierConfig\n"
+        "from topkv.service.tier_device import open_device_tier\n"
+        "open_device_tier(TierConfig(1, device_tier='host-stand-in'))\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+        "open_device_tier(TierConfig(1, device_bytes=1 << 20), 'cpu').close()\n"
+        "assert 'torch' in sys.modules\n"
+    )
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert got.returncode == 0, got.stderr
 
 
 # -- the arena ----------------------------------------------------------------------------------
@@ -391,3 +410,40 @@ def test_auto_chooses_the_gpu_and_labels_it(tmp_path: Path) -> None:
         tiers.end_decode(ticket, 0.01, 4)
         tiers.forget(kv.request_id)
     tiers.close()
+
+
+def test_worker_status_and_metrics_say_which_device_tier(monkeypatch: pytest.MonkeyPatch) -> None:
+    from prometheus_client import generate_latest
+
+    from topkv.service import worker_tiers
+
+    stand_in = worker_tiers.WorkerTiers(
+        TierConfig(1, host_bytes=1 << 20, device_tier="host-stand-in")
+    )
+    info = stand_in.describe()
+    assert info is not None and info["device_tier"] == {
+        "kind": "host-stand-in",
+        "stand_in": True,
+        "device": None,
+        "why": "--device-tier host-stand-in",
+    }
+    text = generate_latest(stand_in.registry).decode()
+    assert (
+        'topkv_kv_tier_device_info{device="none",kind="host-stand-in",stand_in="true"} 1.0' in text
+    )
+    assert 'topkv_kv_tier_used_bytes{tier="device"}' not in text  # K caches, no bytes bound
+    stand_in.close()
+    monkeypatch.setattr(
+        worker_tiers,
+        "open_tiered_kv",
+        lambda config: open_tiered_kv(config, INVENTORY, torch_device="cpu"),
+    )
+    arena = worker_tiers.WorkerTiers(TierConfig(1, host_bytes=1 << 20, device_bytes=1 << 20))
+    info = arena.describe()
+    assert info is not None
+    assert info["device_tier"]["kind"] == "torch-cpu"  # type: ignore[index]
+    assert info["tiers"][0]["emulated"] is True  # type: ignore[index]
+    text = generate_latest(arena.registry).decode()
+    assert 'topkv_kv_tier_capacity_bytes{emulated="true",tier="device"} 1.048576e+06' in text
+    assert 'topkv_kv_tier_used_bytes{tier="device"} 0.0' in text
+    arena.close()

@@ -232,7 +232,7 @@ class TorchArena:
         if len(crcs) != len(sizes):
             raise ServiceError(f"{len(sizes)} segments, {len(crcs)} CRCs")
         self._check(block, total)
-        dst = memoryview(bytearray(total)) if out is None else out[:total]
+        dst = memoryview(bytearray(total)) if out is None else out.cast("B")[:total]
         if dst.nbytes < total or dst.readonly:
             raise ServiceError(f"get needs {total:,} writable bytes, was given {dst.nbytes:,}")
         dst_np = np.frombuffer(dst, np.uint8)
