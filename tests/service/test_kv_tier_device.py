@@ -306,6 +306,8 @@ def test_k_on_device_in_the_arena_demoted_promoted_token_bytes_identical(
         tiers.end_decode(ticket, 0.01, 4)
         trail = tiers.forget(kv.request_id)
         assert trail is not None and trail.tiers[-1] == DEVICE
+        # every decode waited for its copy out of the arena, part of its promotion time
+        assert 0 < trail.exposed_promotion_s <= trail.promotion_s + 1e-3
     assert device.used_bytes == 0
     assert tiers.counters["demotions"] == tiers.counters["promotions"] >= 3
     readings = {(r.tier, r.direction): r for r in tiers.model.snapshot()}

@@ -98,13 +98,15 @@ class DecodeTicket:
         started = time.perf_counter()
         if ready is not None:
             ready.result()  # raises TierKVLost: the request must be recomputed
+        loading = time.perf_counter()
         copied = self.load() if self.load is not None else False
         if ready is None and not copied:
             return 0.0
-        exposed = time.perf_counter() - started
+        now = time.perf_counter()
+        exposed = now - started
         self.trail.exposed_promotion_s += exposed
-        if ready is None:  # a copy out of device memory only: it is promotion time too
-            self.trail.promotion_s += exposed
+        if copied:  # the copy out of device memory is promotion time too
+            self.trail.promotion_s += now - loading
         return exposed
 
 
