@@ -51,6 +51,10 @@ LAYOUT = KVLayout(num_layers=4, seq_len=64, kv_heads=2, head_dim=64)  # 128 KiB
 NBYTES = LAYOUT.total_bytes
 INVENTORY = TierInventory(host_total_bytes=64 << 30, host_available_bytes=32 << 30)
 CPU = torch.device("cpu")
+#: The same tests on the CPU here and, where torch sees one, on a CUDA GPU.
+DEVICES = pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=[needs_cuda, pytest.mark.gpu])]
+)
 
 
 def _kv(rid: int) -> HeldKV:
@@ -95,18 +99,19 @@ def test_torch_is_imported_only_when_a_torch_tier_is_opened() -> None:
 # -- the arena ----------------------------------------------------------------------------------
 
 
+@DEVICES
 @pytest.mark.parametrize("stage", [4096, 64 << 10, 8 << 20])
-def test_put_get_round_trip_through_the_staging(stage: int) -> None:
+def test_put_get_round_trip_through_the_staging(device: str, stage: int) -> None:
     """Segments smaller, equal and larger than a staging buffer, odd sizes included."""
-    arena = TorchArena(32 << 20, CPU, stage_bytes=stage)
-    assert arena.tensor.dtype == torch.uint8 and arena.tensor.device == CPU
+    arena = TorchArena(32 << 20, device, stage_bytes=stage)
+    assert arena.tensor.dtype == torch.uint8 and arena.tensor.device.type == device
     sizes = [1, 4096, 4097, 100_000, 3 * stage + 7]
     segments = _segments(sizes)
     block = arena.allocate(sum(sizes))
     assert arena.put(block, segments) == sum(sizes)
     got = arena.get(block, sizes, [crc64(s) for s in segments])
     assert [bytes(g) for g in got] == [bytes(s) for s in segments]
-    assert bytes(arena.tensor[block[0] : block[0] + 1].numpy()) == bytes(segments[0])
+    assert bytes(arena.tensor[block[0] : block[0] + 1].cpu().numpy()) == bytes(segments[0])
     out = memoryview(bytearray(sum(sizes) + 10))
     again = arena.get(block, sizes, [crc64(s) for s in segments], out=out)
     assert bytes(again[-1]) == bytes(segments[-1]) and again[0].obj is out.obj
@@ -133,9 +138,10 @@ def test_bounds_are_checked() -> None:
         TorchArena(0, CPU)
 
 
-def test_fragmentation_and_reuse() -> None:
+@DEVICES
+def test_fragmentation_and_reuse(device: str) -> None:
     """First fit in 4 KiB units: freed holes are reused, neighbours merge again."""
-    arena = TorchArena(4 * 4096, CPU)
+    arena = TorchArena(4 * 4096, device)
     a, b, c = arena.allocate(4096), arena.allocate(4096), arena.allocate(2 * 4096)
     assert arena.used == arena.capacity and (a[0], b[0], c[0]) == (0, 4096, 8192)
     arena.release(a)
@@ -155,8 +161,9 @@ def test_fragmentation_and_reuse() -> None:
     assert arena.used == 0 and arena.allocate(4 * 4096) == (0, 4 * 4096)
 
 
-def test_a_corrupted_byte_fails_the_crc_check() -> None:
-    arena = TorchArena(1 << 20, CPU, stage_bytes=4096)
+@DEVICES
+def test_a_corrupted_byte_fails_the_crc_check(device: str) -> None:
+    arena = TorchArena(1 << 20, device, stage_bytes=4096)
     sizes = [5000, 5000]
     segments = _segments(sizes)
     crcs = [crc64(s) for s in segments]
@@ -178,9 +185,10 @@ def test_more_than_the_device_has_free_is_refused_with_the_numbers() -> None:
         TorchArena(64 << 40, CPU)  # against this host's real available memory
 
 
-def test_copies_run_off_the_event_loop_and_concurrently() -> None:
+@DEVICES
+def test_copies_run_off_the_event_loop_and_concurrently(device: str) -> None:
     """Four threads put and get their own KV at once while the loop keeps ticking."""
-    tier = _tier(8 * NBYTES, stage=16 << 10)
+    tier = _tier(8 * NBYTES, device, stage=16 << 10)
     kvs = [_kv(i) for i in range(4)]
     want = [_bytes(kv.layers) for kv in kvs]
 
@@ -218,8 +226,9 @@ def test_copies_run_off_the_event_loop_and_concurrently() -> None:
 # -- the tier store and residency ---------------------------------------------------------------
 
 
-def test_store_write_read_full_and_corrupt() -> None:
-    tier = _tier(NBYTES + 4096)
+@DEVICES
+def test_store_write_read_full_and_corrupt(device: str) -> None:
+    tier = _tier(NBYTES + 4096, device)
     a, b = _kv(1), _kv(2)
     tier.write(a)
     assert tier.holds(1) and tier.used_bytes == NBYTES and tier.fits(a) and not tier.fits(b)
@@ -236,8 +245,9 @@ def test_store_write_read_full_and_corrupt() -> None:
     tier.close()
 
 
-def test_hold_load_unload_release_the_host_buffers() -> None:
-    tier = _tier(4 * NBYTES)
+@DEVICES
+def test_hold_load_unload_release_the_host_buffers(device: str) -> None:
+    tier = _tier(4 * NBYTES, device)
     kv = _kv(7)
     want = _bytes(kv.layers)
     released = threading.Event()
@@ -248,7 +258,7 @@ def test_hold_load_unload_release_the_host_buffers() -> None:
     assert not tier.load(kv)  # already in host memory
     tier.unload(kv)
     assert kv.layers == [] and tier.holds(7)
-    full = _tier(NBYTES // 2)
+    full = _tier(NBYTES // 2, device)
     other = _kv(8)
     assert "no free run" in (full.hold(other) or "") and other.layers  # kept in host memory
     tier.close()
@@ -281,15 +291,18 @@ def test_choice_and_labels() -> None:
 # -- the tiered KV over the torch arena ---------------------------------------------------------
 
 
-def _tiers(tmp_path: Path, k: int, device_bytes: int, host: int = 8 * NBYTES) -> Any:
+def _tiers(
+    tmp_path: Path, k: int, device_bytes: int, host: int = 8 * NBYTES, device: str = "cpu"
+) -> Any:
     config = TierConfig(k, host_bytes=host, device_bytes=device_bytes, disk_dir=tmp_path)
-    return open_tiered_kv(config, INVENTORY, torch_device="cpu")
+    return open_tiered_kv(config, INVENTORY, torch_device=device)
 
 
+@DEVICES
 def test_k_on_device_in_the_arena_demoted_promoted_token_bytes_identical(
-    tmp_path: Path,
+    tmp_path: Path, device: str
 ) -> None:
-    tiers = _tiers(tmp_path, 2, 4 * NBYTES)
+    tiers = _tiers(tmp_path, 2, 4 * NBYTES, device=device)
     device = tiers.device_tier
     kvs = [_kv(i) for i in range(5)]
     originals = [_bytes(kv.layers) for kv in kvs]
@@ -316,8 +329,9 @@ def test_k_on_device_in_the_arena_demoted_promoted_token_bytes_identical(
     tiers.close()
 
 
-def test_a_full_arena_makes_room_else_keeps_host_memory(tmp_path: Path) -> None:
-    tiers = _tiers(tmp_path, 3, NBYTES + 4096)  # K=3 caches, but bytes for one
+@DEVICES
+def test_a_full_arena_makes_room_else_keeps_host_memory(tmp_path: Path, device: str) -> None:
+    tiers = _tiers(tmp_path, 3, NBYTES + 4096, device=device)  # K=3 caches, but bytes for one
     a, b = _kv(0), _kv(1)
     want = _bytes(b.layers)
     tiers.admit(a)
@@ -341,8 +355,11 @@ def test_a_full_arena_makes_room_else_keeps_host_memory(tmp_path: Path) -> None:
     tiers.close()
 
 
-def test_a_corrupted_device_copy_fails_that_decode_not_the_tokens(tmp_path: Path) -> None:
-    tiers = _tiers(tmp_path, 2, 4 * NBYTES)
+@DEVICES
+def test_a_corrupted_device_copy_fails_that_decode_not_the_tokens(
+    tmp_path: Path, device: str
+) -> None:
+    tiers = _tiers(tmp_path, 2, 4 * NBYTES, device=device)
     a, b = _kv(0), _kv(1)
     b_bytes = _bytes(b.layers)
     tiers.admit(a)

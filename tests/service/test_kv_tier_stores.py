@@ -207,6 +207,7 @@ def _tiers(tmp_path: Path, k: int, **kwargs: int) -> TieredKV:
         cxl_bytes=kwargs.get("cxl", 0),
         disk_bytes=kwargs.get("disk", 0),
         disk_dir=tmp_path,
+        device_tier="host-stand-in",  # the GPU tier: test_kv_tier_device.py
     )
     return open_tiered_kv(config, INVENTORY)
 
