@@ -3,6 +3,8 @@
 # benchmark with the device tier's put/get against torch copy_ in the same run.
 # Under 5 minutes on one GPU. Results go to $OUT (default /tmp/topkv-gpu-check):
 # nvidia-smi.csv, tests.txt, tests.xml, tiers.json.
+# Needs the project installed with its dev and model extras (pip install -e '.[dev,model]'
+# with a CUDA build of torch). Fails if torch sees no GPU or a CUDA test skipped.
 # Usage: scripts/gpu-check.sh   (PYTHON=... to pick the interpreter; default .venv/bin/python)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,7 +31,7 @@ nvidia-smi --query-gpu=name,memory.total,memory.free,pcie.link.gen.current,pcie.
 
 # The device tier's tests (CPU and CUDA) and the live worker tests (auto picks the GPU tier).
 rc=0
-timeout 200 "$PY" -m pytest tests/service/test_kv_tier_device.py tests/service/test_kv_tiers_live.py \
+timeout 170 "$PY" -m pytest tests/service/test_kv_tier_device.py tests/service/test_kv_tiers_live.py \
     tests/service/test_kv_tiers_cli.py -q -rs -p no:cacheprovider --junitxml "$OUT/tests.xml" \
     2>&1 | tee "$OUT/tests.txt" || rc=$?
 if grep -q "needs a CUDA GPU" "$OUT/tests.txt"; then
@@ -38,7 +40,7 @@ if grep -q "needs a CUDA GPU" "$OUT/tests.txt"; then
 fi
 
 # 256 MiB, 5 repeats: host, disk, the peer, and the device tier vs torch copy_.
-timeout 150 "$PY" benchmarks/tiers.py --json --size $((256 << 20)) --repeat 5 >"$OUT/tiers.json" || rc=$?
+timeout 110 "$PY" benchmarks/tiers.py --json --size $((256 << 20)) --repeat 5 >"$OUT/tiers.json" || rc=$?
 "$PY" - "$OUT/tiers.json" <<'PYEOF' || rc=$?
 import json
 import sys
