@@ -1,6 +1,7 @@
 """``topkv router`` (the OpenAI-compatible front door over vLLM instances running
-TopKVConnector), ``topkv vllm up`` (a local stack: the front door and N prefill + M decode
-vLLM instances) and ``topkv vllm model`` (TopKV's tiny Llama). See ``docs/vllm.md``."""
+TopKVConnector), ``topkv vllm up`` (a local stack: a ``topkv orchestrator``, the front door
+and N prefill + M decode vLLM instances) and ``topkv vllm model`` (TopKV's tiny Llama).
+See ``docs/vllm.md``."""
 
 from __future__ import annotations
 
@@ -10,7 +11,12 @@ from pathlib import Path
 
 import typer
 
-from topkv.cli.auth_options import insecure_option, orchestrator_auth, token_file_option
+from topkv.cli.auth_options import (
+    client_token,
+    insecure_option,
+    orchestrator_auth,
+    token_file_option,
+)
 from topkv.cli.services import _logging, _until_signalled
 from topkv.errors import ConfigError
 
@@ -30,6 +36,17 @@ def router_command(
     protect_metrics: bool = typer.Option(False, help="/metrics needs an admin token"),
     log_level: str = typer.Option("warning", help="debug | info | warning | error"),
     insecure_no_auth: bool = insecure_option(),
+    registry: str = typer.Option(
+        "",
+        help="read the instances from this `topkv orchestrator` (http://HOST:PORT; they "
+        "register there) instead of the embedded registry",
+    ),
+    registry_token_file: Path | None = typer.Option(
+        None, help="--registry: the orchestrator's admin token (default: --token-file's)"
+    ),
+    affinity: bool = typer.Option(
+        True, help="prefer the instances that last served the request's prefix"
+    ),
 ) -> None:
     """Serve /v1/completions, /v1/chat/completions, /v1/models and /metrics over the
     registered vLLM prefill and decode instances; Ctrl-C stops it."""
@@ -39,9 +56,15 @@ def router_command(
     auth = orchestrator_auth(
         token_file, worker_token_file, insecure=insecure_no_auth, protect_metrics=protect_metrics
     )
+    if registry and not registry.startswith(("http://", "https://")):
+        raise ConfigError(f"--registry {registry!r}: give the orchestrator's http://HOST:PORT")
+    registry_token = client_token(registry_token_file or token_file) if registry else None
 
     async def main(stop: asyncio.Event) -> None:
-        server = RouterServer(auth, str(shm_dir))
+        server = RouterServer(
+            auth, str(shm_dir), registry_url=registry, registry_token=registry_token,
+            affinity=affinity,
+        )  # fmt: skip
         url = await server.serve(host, port)
         typer.echo(f"topkv router on {url} (OpenAI API at {url}/v1)", err=True)
         try:
@@ -65,11 +88,20 @@ def vllm_up_command(
     port: int = typer.Option(8000, help="the front door's port (0 picks a free one)"),
     run_dir: Path = typer.Option(Path("topkv-vllm-run"), help="tokens, secret, logs"),
     python: str = typer.Option("", help="interpreter with vLLM (default: .venv-vllm's)"),
+    orchestrator_port: int = typer.Option(0, help="the orchestrator's port (0: a free one)"),
+    affinity: bool = typer.Option(
+        True, help="prefer the instances that last served the request's prefix"
+    ),
 ) -> None:
-    """Start the front door and N prefill + M decode vLLM instances with TopKVConnector;
-    print the URL; Ctrl-C stops them all."""
+    """Start a topkv orchestrator (the registry), the front door and N prefill + M decode
+    vLLM instances with TopKVConnector; print the URL; Ctrl-C stops them all."""
     from topkv.integrations.vllm.router import RouterServer
-    from topkv.integrations.vllm.stack import StackFiles, start_pd_instances, wait_up
+    from topkv.integrations.vllm.stack import (
+        StackFiles,
+        start_orchestrator,
+        start_pd_instances,
+        wait_up,
+    )
     from topkv.service.auth import Credentials, ServerAuth
     from topkv.service.cluster import Supervisor
 
@@ -80,11 +112,17 @@ def vllm_up_command(
     auth = ServerAuth(Credentials.of(admin=[files.admin_token], worker=[files.worker_token]))
 
     async def main(stop: asyncio.Event) -> None:
-        server = RouterServer(auth, str(run_dir))
-        url = await server.serve("127.0.0.1", port)
         with Supervisor(run_dir / "logs", grace_s=20) as supervisor:
+            _, registry = await asyncio.to_thread(
+                start_orchestrator, supervisor, files, orchestrator_port
+            )
+            server = RouterServer(
+                auth, str(run_dir), registry_url=registry, registry_token=files.admin_token,
+                affinity=affinity,
+            )  # fmt: skip
+            url = await server.serve("127.0.0.1", port)
             instances = start_pd_instances(
-                supervisor, model.absolute(), files, url,
+                supervisor, model.absolute(), files, registry,
                 prefill=prefill, decode=decode, python=python or _vllm_python(),
             )  # fmt: skip
             waiting = asyncio.create_task(asyncio.to_thread(wait_up, instances, server.registry))
@@ -93,12 +131,13 @@ def vllm_up_command(
             if waiting.done():
                 waiting.result()  # raises what went wrong
                 typer.echo(
-                    f"topkv vllm: {url}/v1 ({prefill} prefill, {decode} decode; api_key in "
-                    f"{files.admin_file}; logs in {run_dir / 'logs'}); Ctrl-C stops",
+                    f"topkv vllm: {url}/v1 ({prefill} prefill, {decode} decode; orchestrator "
+                    f"{registry}; api_key in {files.admin_file}; logs in {run_dir / 'logs'}); "
+                    "Ctrl-C stops",
                     err=True,
                 )
                 await stopped
-        await server.close()
+            await server.close()
 
     asyncio.run(_until_signalled(main))
 

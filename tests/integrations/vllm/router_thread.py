@@ -11,10 +11,15 @@ from topkv.service.auth import Credentials, ServerAuth
 
 
 class RouterThread:
-    def __init__(self, admin: str, worker: str, shm_dir: str) -> None:
+    """``registry_url``: read the instances from that orchestrator (with the admin token)
+    instead of the embedded registry."""
+
+    def __init__(self, admin: str, worker: str, shm_dir: str, registry_url: str = "") -> None:
         auth = ServerAuth(Credentials.of(admin=[admin], worker=[worker]))
         self.loop = asyncio.new_event_loop()
-        self.server = RouterServer(auth, shm_dir)
+        self.server = RouterServer(
+            auth, shm_dir, registry_url=registry_url, registry_token=admin if registry_url else None
+        )
         started: Future[str] = Future()
         self._thread = threading.Thread(target=self._run, args=(started,), daemon=True)
         self._thread.start()
@@ -22,7 +27,11 @@ class RouterThread:
 
     def _run(self, started: Future[str]) -> None:
         asyncio.set_event_loop(self.loop)
-        started.set_result(self.loop.run_until_complete(self.server.serve()))
+        try:
+            started.set_result(self.loop.run_until_complete(self.server.serve()))
+        except BaseException as exc:
+            started.set_exception(exc)
+            return
         self.loop.run_forever()
 
     def close(self) -> None:

@@ -67,6 +67,7 @@ def test_demo_engine_vllm_is_token_identical_with_the_demo_keys() -> None:
         assert r["bytes"] == r["prompt_len"] * BYTES_PER_TOKEN
         assert r["ttft_ms"] > 0 and r["decode_ms"] >= 0
         assert (r["prefill_worker"], r["decode_worker"]) == ("prefill0", "decode0")
+        assert r["kv_verified"] is True  # the decode's report, from the stream's last chunk
         # what the vLLM path does not measure is null, not invented
         for key in ("prefill_ms", "transfer_ms", "exposed_ms", "modelled_exposed_ms"):
             assert r[key] is None
@@ -74,4 +75,5 @@ def test_demo_engine_vllm_is_token_identical_with_the_demo_keys() -> None:
     assert summary["engine"] == "vllm" and summary["all_tokens_identical"] is True
     assert summary["tokens_identical"] == 4 and summary["transports"] == {"shm": 4}
     assert summary["ttft_ms"]["p50"] > 0
+    assert summary["kv_verified"] == 4
     assert payload["options"]["requests"] == 4 and payload["options"]["engine"] == "vllm"

@@ -1,7 +1,8 @@
-"""TopKVConnector end to end: two real vLLM CPU instances behind the front door.
+"""TopKVConnector end to end: real vLLM CPU instances, a real orchestrator, the front door.
 
-One prefill and one decode instance of TopKV's tiny seeded Llama (float32, 4 layers) register
-with ``topkv router`` (in this process), and the official ``openai`` client talks to it.
+One prefill and two decode instances of TopKV's tiny seeded Llama (float32, 4 layers)
+register with a ``topkv orchestrator`` process; the front door (``topkv router``'s server,
+in this process) reads them from it, and the official ``openai`` client talks to it.
 The reference for every request is the prefill instance itself computing the whole request
 without any transfer. Skips when vLLM is not installed (``make test`` installs it into
 ``.venv-vllm`` and runs this file there).
@@ -28,7 +29,13 @@ from router_thread import RouterThread  # noqa: E402
 from topkv.integrations.vllm.launch import VllmInstance  # noqa: E402
 from topkv.integrations.vllm.model import VOCAB_SIZE, write_tiny_llama  # noqa: E402
 from topkv.integrations.vllm.params import shm_socket_path  # noqa: E402
-from topkv.integrations.vllm.stack import StackFiles, start_pd_instances, wait_up  # noqa: E402
+from topkv.integrations.vllm.remote_registry import OrchestratorRegistry  # noqa: E402
+from topkv.integrations.vllm.stack import (  # noqa: E402
+    StackFiles,
+    start_orchestrator,
+    start_pd_instances,
+    wait_up,
+)
 from topkv.packaged import packaged_file  # noqa: E402
 from topkv.service.cluster import Supervisor  # noqa: E402
 from topkv.traces import read_azure_csv  # noqa: E402
@@ -61,18 +68,53 @@ class Stack:
     router: RouterThread
     prefill: VllmInstance
     decode: VllmInstance
+    decodes: dict[str, VllmInstance]
     shm_dir: Path
     client: Any
     supervisor: Supervisor
+    orchestrator_url: str
+    admin_token: str
 
-    def reference(self, prompt: list[int]) -> list[int]:
+    def reference(self, prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
         """The prefill instance computing the whole request alone (no transfer)."""
         answer = _post(
             self.prefill.url + "/v1/completions",
-            {"model": "tiny-llama", "prompt": prompt, "max_tokens": MAX_TOKENS,
+            {"model": "tiny-llama", "prompt": prompt, "max_tokens": max_tokens,
              "temperature": 0, "ignore_eos": True, "return_token_ids": True},
         )  # fmt: skip
         return list(answer["choices"][0]["token_ids"])
+
+    def stream(
+        self, prompt: list[int], max_tokens: int, on_token: Any = None
+    ) -> tuple[dict[str, str], list[int], list[dict[str, Any]], float]:
+        """A raw streamed completion through the front door: (headers, token ids, chunks,
+        the longest gap between two chunks in seconds); ``on_token(count, headers)`` after
+        each chunk with tokens."""
+        body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": max_tokens,
+                "temperature": 0, "ignore_eos": True, "return_token_ids": True,
+                "stream": True}  # fmt: skip
+        request = urllib.request.Request(
+            self.router.url + "/v1/completions", json.dumps(body).encode(),
+            {"Content-Type": "application/json", "Authorization": f"Bearer {self.admin_token}"},
+        )  # fmt: skip
+        ids: list[int] = []
+        chunks: list[dict[str, Any]] = []
+        gap, last = 0.0, time.monotonic()
+        with urllib.request.urlopen(request, timeout=120) as answer:
+            headers = dict(answer.headers)
+            for raw in answer:
+                line = raw.decode().strip()
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                now = time.monotonic()
+                gap, last = max(gap, now - last), now
+                chunk = json.loads(line[len("data:") :])
+                chunks.append(chunk)
+                for choice in chunk.get("choices") or []:
+                    ids += choice.get("token_ids") or []
+                    if on_token is not None and choice.get("token_ids"):
+                        on_token(len(ids), headers)
+        return headers, ids, chunks, gap
 
     def metric(self, name: str, labels: str = "") -> float:
         with urllib.request.urlopen(self.router.url + "/metrics", timeout=10) as answer:
@@ -87,20 +129,28 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     root = tmp_path_factory.mktemp("vllm")
     model = write_tiny_llama(root / "model")
     files = StackFiles.create(root)
-    router = RouterThread(files.admin_token, files.worker_token, str(root))
     supervisor = Supervisor(root / "logs", grace_s=20)
+    router: RouterThread | None = None
     try:
+        _, registry = start_orchestrator(supervisor, files)
+        router = RouterThread(files.admin_token, files.worker_token, str(root), registry)
         instances = start_pd_instances(
-            supervisor, model, files, router.url, max_model_len=MAX_MODEL_LEN, load_timeout_s=20
-        )
-        wait_up(instances, router.server.registry, timeout_s=420)
+            supervisor, model, files, registry, decode=2, max_model_len=MAX_MODEL_LEN,
+            load_timeout_s=20,
+        )  # fmt: skip
+        wait_up(instances, router.server.registry, timeout_s=600)
         client = openai.OpenAI(
             base_url=router.url + "/v1", api_key=files.admin_token, max_retries=0
         )
-        yield Stack(router, instances[0], instances[1], root, client, supervisor)
+        decodes = {i.name: i for i in instances[1:]}
+        yield Stack(
+            router, instances[0], decodes["decode0"], decodes, root, client, supervisor,
+            registry, files.admin_token,
+        )  # fmt: skip
     finally:
         supervisor.stop_all()
-        router.close()
+        if router is not None:
+            router.close()
 
 
 def _token_ids(choice: Any) -> list[int]:
@@ -146,10 +196,58 @@ def test_chat_streamed_and_not_and_models(stack: Stack) -> None:
     assert streamed == text
 
 
+def test_the_instances_are_the_orchestrators_workers(stack: Stack) -> None:
+    """They registered with the orchestrator process; the front door reads them from it."""
+    roles = _orchestrator_workers(stack)
+    assert roles == {"prefill0": "prefill", "decode0": "decode", "decode1": "decode"}
+    assert isinstance(stack.router.server.registry, OrchestratorRegistry)
+    # registrations go to the orchestrator, not to the front door
+    status = _status(stack.router.url + "/v1/workers", {"worker": {}}, stack.admin_token)
+    assert status == 409
+
+
+def _status(url: str, body: object, token: str) -> int:
+    request = urllib.request.Request(
+        url, json.dumps(body).encode(),
+        {"Content-Type": "application/json", "Authorization": f"Bearer {token}"},
+    )  # fmt: skip
+    try:
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            return int(answer.status)
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def test_a_streamed_answer_reports_the_decodes_verification(stack: Stack) -> None:
+    prompt = _prompt(333, seed=3000)
+    pieces = stack.client.completions.create(
+        model="tiny-llama", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )  # fmt: skip
+    chunks = list(pieces)
+    ids = [i for c in chunks for ch in c.choices for i in (ch.model_extra or {})["token_ids"]]
+    assert ids == stack.reference(prompt)
+    last = chunks[-1].model_extra or {}
+    topkv = last["kv_transfer_params"]["topkv"]
+    assert topkv["verified"] is True and topkv["recomputed"] is False
+    assert topkv["kv_bytes"] == 333 * BYTES_PER_TOKEN
+    assert stack.metric("topkv_router_kv_bytes_total", '{kind="verified"}') > 0
+
+
+def test_a_repeated_prefix_goes_where_it_is_held(stack: Stack) -> None:
+    prefix = _prompt(320, seed=4000)
+    first, _, _, _ = stack.stream(prefix + _prompt(40, 4001), 2)
+    second, _, _, _ = stack.stream(prefix + _prompt(40, 4002), 2)
+    assert first["X-TopKV-Prefix-Blocks"] == "0,0"
+    # the 10 whole blocks of the shared prefix: both instances served them a moment ago
+    assert second["X-TopKV-Prefix-Blocks"] == "10,10"
+    assert second["X-TopKV-Decode"] == first["X-TopKV-Decode"]
+
+
 def _direct(stack: Stack, prompt: list[int], transfer: int, medium: str, **topkv: str) -> Any:
     """Prefill then decode, called directly with the connector's kv_transfer_params."""
     decode = stack.router.server.registry.get("decode0")
-    assert decode is not None
+    assert decode is not None, "decode0 is not registered"
     destination = (
         "shm://" + shm_socket_path(str(stack.shm_dir), "decode0")
         if medium == "shm"
@@ -193,15 +291,64 @@ def test_a_corrupted_layer_frame_is_caught_and_the_request_still_completes(stack
     assert "load of" in log and ("ChecksumMismatch" in log or "CRC" in log)
 
 
-def test_killing_the_decode_instance_fails_cleanly_then_503(stack: Stack) -> None:
-    """Runs last in this module: it takes the decode instance down."""
-    stack.supervisor.kill(stack.decode.managed)
+def test_a_decode_killed_mid_stream_fails_over_token_identical(stack: Stack) -> None:
+    prompt, new_tokens = _prompt(300, seed=5000), 120
+    want = stack.reference(prompt, new_tokens)
+    killed: list[tuple[str, float]] = []
+
+    def kill_at_ten(count: int, headers: dict[str, str]) -> None:
+        if count >= 10 and not killed:
+            name = headers["X-TopKV-Decode"]
+            stack.supervisor.kill(stack.decodes[name].managed)
+            killed.append((name, time.monotonic()))
+
+    _headers, ids, chunks, gap = stack.stream(prompt, new_tokens, kill_at_ten)
+    assert killed, "the stream ended before 10 tokens"
+    assert ids == want  # one uninterrupted stream, greedy: token-identical
+    assert len({c["id"] for c in chunks}) == 1
+    topkv = chunks[-1]["kv_transfer_params"]["topkv"]
+    (failover,) = topkv["failovers"]
+    assert failover["failed"] == killed[0][0] and failover["to"] != killed[0][0]
+    assert failover["after_tokens"] >= 10
+    assert topkv["verified"] is True  # the first instance's load, reported before it died
+    assert gap < 30, f"the stream stalled {gap:.1f} s"
+    print(f"failover: {failover}, longest gap at the client {gap * 1000:.0f} ms")
+    assert stack.metric("topkv_router_stream_failovers_total") >= 1
+    # the killed API server's engine process noticed, deregistered and ended: no stale
+    # registration comes back to the orchestrator
+    time.sleep(5)
+    assert killed[0][0] not in _orchestrator_workers(stack)
+
+
+def _orchestrator_workers(stack: Stack) -> dict[str, str]:
+    request = urllib.request.Request(
+        stack.orchestrator_url + "/v1/workers",
+        headers={"Authorization": f"Bearer {stack.admin_token}"},
+    )
+    with urllib.request.urlopen(request, timeout=10) as answer:
+        listed = json.loads(answer.read())["workers"]
+    return {w["worker"]["worker_id"]: w["worker"]["role"] for w in listed}
+
+
+def test_killing_the_last_decode_mid_stream_fails_cleanly_then_503(stack: Stack) -> None:
+    """Runs last in this module: it takes the remaining decode instance down."""
+    killed: list[float] = []
+    pieces = stack.client.completions.create(
+        model="tiny-llama", prompt=_prompt(200, 6000), max_tokens=200, temperature=0,
+        stream=True, extra_body={"ignore_eos": True, "return_token_ids": True},
+    )  # fmt: skip
+    count = 0
+    with pytest.raises(openai.APIError, match="no other decode instance"):
+        for chunk in pieces:
+            count += len((chunk.choices[0].model_extra or {}).get("token_ids") or [])
+            if count >= 3 and not killed:
+                name = next(n for n, i in stack.decodes.items() if i.managed.alive())
+                stack.supervisor.kill(stack.decodes[name].managed)
+                killed.append(time.monotonic())
+    assert killed and time.monotonic() - killed[0] < 30
     started = time.monotonic()
-    with pytest.raises(openai.APIStatusError) as failed:
-        stack.client.completions.create(model="tiny-llama", prompt=_prompt(64, 7), max_tokens=4)
-    assert failed.value.status_code in (502, 503)
-    assert time.monotonic() - started < 30
     with pytest.raises(openai.APIStatusError) as refused:
         stack.client.completions.create(model="tiny-llama", prompt=_prompt(64, 8), max_tokens=4)
     assert refused.value.status_code == 503
     assert "no decode instance is registered" in str(refused.value)
+    assert time.monotonic() - started < 30

@@ -3,11 +3,13 @@ the picker's choices (TopKV's routing policy over registered instances)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import signal
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -15,9 +17,12 @@ from pathlib import Path
 import pytest
 from router_thread import RouterThread
 
-from topkv.integrations.vllm.picker import NoInstance, Picker
+from topkv.integrations.vllm.picker import NoInstance, Picker, prompt_hashes
+from topkv.integrations.vllm.remote_registry import OrchestratorRegistry
+from topkv.integrations.vllm.stack import StackFiles, start_orchestrator
 from topkv.relay.registry import MemoryRegistry
 from topkv.relay.workers import WorkerCapabilities, WorkerInfo
+from topkv.service.cluster import Supervisor
 
 ADMIN, WORKER = "tkv_admin_for_router_tests", "tkv_worker_for_router_tests"
 
@@ -156,3 +161,87 @@ def test_topkv_vllm_model_writes_a_loadable_model_and_up_refuses_a_bad_dir(
         [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
     )
     assert chat == "<s>user: hi\n<s>assistant: "
+
+
+def test_picker_prefers_the_instances_that_hold_the_prefix() -> None:
+    registry = MemoryRegistry()
+    picker = Picker(registry, "/run/x")
+    for name, role in (("p0", "prefill"), ("p1", "prefill"), ("d0", "decode"), ("d1", "decode")):
+        registry.register(_worker(name, role, "hostA", "tcp://127.0.0.1:7000"))
+    prompt = prompt_hashes({"prompt": list(range(100))})
+    assert len(prompt) == 3  # whole 32-token blocks
+    cold = picker.pick(1 << 20, hashes=prompt)
+    assert (cold.prefill.worker_id, cold.decode.worker_id, cold.affinity) == ("p0", "d0", (0, 0))
+    picker.served("p1", prompt)
+    picker.served("d1", prompt[:2])
+    warm = picker.pick(1 << 20, hashes=prompt)
+    assert (warm.prefill.worker_id, warm.decode.worker_id, warm.affinity) == ("p1", "d1", (3, 2))
+    assert warm.medium == "shm"
+    picker.in_flight.update(["p1"] * 3)  # 3 above the idle p0: past the load gap
+    assert picker.pick(1 << 20, hashes=prompt).prefill.worker_id == "p0"
+    picker.in_flight.update(["d1", "d1"])  # d1's capacity (2) is taken
+    assert picker.pick(1 << 20, hashes=prompt).decode.worker_id == "d0"
+    picker.forget("p1")
+    picker.in_flight.clear()
+    assert picker.pick(1 << 20, hashes=prompt).prefill.worker_id == "p0"
+    off = Picker(registry, "/run/x", affinity=False)
+    off.served("d1", prompt)
+    assert off.pick(1 << 20, hashes=prompt).decode.worker_id == "d0"
+
+
+def test_prompt_hashes_of_text_and_chat() -> None:
+    text = prompt_hashes({"prompt": "x" * 300})
+    assert len(text) == 2 and text == prompt_hashes({"prompt": ["x" * 300]})
+    chat = prompt_hashes({"messages": [{"role": "user", "content": "y" * 300}]})
+    assert len(chat) == 2 and chat != text
+    assert prompt_hashes({"prompt": [[1, 2], [3]]}) == ()
+
+
+def test_router_reads_its_instances_from_a_real_orchestrator(tmp_path: Path) -> None:
+    """The registry is a `topkv orchestrator` process: instances register there; the front
+    door refuses registrations, sees the orchestrator's workers, and names a dead registry."""
+    files = StackFiles.create(tmp_path)
+    with Supervisor(tmp_path / "logs", grace_s=10) as supervisor:
+        orchestrator, url = start_orchestrator(supervisor, files)
+        prefill = _worker("prefill0", "prefill", "hostA").model_dump(mode="json")
+        body = {"worker": prefill, "ttl_s": 60}
+        assert _call(url + "/v1/workers", files.worker_token, body)[0] == 201
+        router = RouterThread(files.admin_token, files.worker_token, str(tmp_path), url)
+        try:
+            status, _ = _call(router.url + "/v1/workers", files.worker_token, body)
+            assert status == 409  # instances register with the orchestrator
+            assert [w.worker_id for w in router.server.registry.workers()] == ["prefill0"]
+            status, answer = _call(
+                router.url + "/v1/completions", files.admin_token, {"prompt": "x"}
+            )
+            assert status == 503 and "no decode instance is registered" in json.dumps(answer)
+            supervisor.stop(orchestrator)
+            deadline = time.monotonic() + 30
+            while router.server.registry.workers() and time.monotonic() < deadline:
+                time.sleep(0.2)
+            status, answer = _call(
+                router.url + "/v1/completions", files.admin_token, {"prompt": "x"}
+            )
+            assert status == 503
+            assert f"the registry at {url} is unreachable" in json.dumps(answer)
+        finally:
+            router.close()
+
+
+def test_a_wrong_registry_token_is_named(tmp_path: Path) -> None:
+    files = StackFiles.create(tmp_path)
+    with Supervisor(tmp_path / "logs", grace_s=10) as supervisor:
+        _, url = start_orchestrator(supervisor, files)
+        router = RouterThread(files.admin_token, files.worker_token, str(tmp_path), url)
+        try:
+            registry = router.server.registry
+            assert isinstance(registry, OrchestratorRegistry)
+            wrong = OrchestratorRegistry(url, "tkv_not_the_admin_token")
+            asyncio.run_coroutine_threadsafe(wrong.refresh(), router.loop).result(10)
+            assert (
+                wrong.problem is not None
+                and "refused the front door's token (401)" in wrong.problem
+            )
+            asyncio.run_coroutine_threadsafe(wrong.aclose(), router.loop).result(10)
+        finally:
+            router.close()

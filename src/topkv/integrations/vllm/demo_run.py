@@ -1,8 +1,9 @@
 """``topkv demo --engine vllm``: the demo's requests through real vLLM instances.
 
-The stack is :mod:`.stack`'s (one prefill and one decode vLLM CPU instance running
-TopKVConnector, registered with the front door, :class:`.router.RouterServer`, served on a
-thread of this process). vLLM runs under the interpreter that has it (``.venv-vllm``,
+The stack is :mod:`.stack`'s (a ``topkv orchestrator`` process, the registry; one prefill
+and one decode vLLM CPU instance running TopKVConnector, registered with it; the front
+door, :class:`.router.RouterServer`, served on a thread of this process, reading the
+instances from the orchestrator). vLLM runs under the interpreter that has it (``.venv-vllm``,
 ``scripts/install-vllm.sh``), so this works from the main ``topkv`` command.
 
 Each request of :func:`topkv.demo.workload.load_requests` (the packaged trace's prompt
@@ -15,10 +16,11 @@ the prefill instance computes every prompt alone, with no transfer: the referenc
 Measured per request: ``ttft_ms`` at the client (request sent to the first streamed token),
 ``decode_ms`` (first to last token), ``transport`` (the medium the connector used) and
 ``bytes`` (the KV bytes the prefill connector reports it streamed, which the front door
-passes on in ``X-TopKV-*`` headers). A streamed answer carries no decode-side verification
-(vLLM puts ``kv_transfer_params`` only in whole answers), so ``kv_verified`` is null, as is
-every figure of the default demo that this path does not measure (prefill, transfer and
-exposed times, the model's prediction).
+passes on in ``X-TopKV-*`` headers) and ``kv_verified`` (the decode connector's
+verification, which the front door adds to the stream's last chunk as
+``kv_transfer_params.topkv``: vLLM itself reports it only in whole answers). Every figure
+of the default demo that this path does not measure (prefill, transfer and exposed times,
+the model's prediction) is null.
 """
 
 from __future__ import annotations
@@ -48,7 +50,12 @@ from topkv.engine.spec import prompt_token_ids
 from topkv.errors import TopKVError
 from topkv.integrations.vllm.model import VOCAB_SIZE
 from topkv.integrations.vllm.router import RouterServer
-from topkv.integrations.vllm.stack import StackFiles, start_pd_instances, wait_up
+from topkv.integrations.vllm.stack import (
+    StackFiles,
+    start_orchestrator,
+    start_pd_instances,
+    wait_up,
+)
 from topkv.service.auth import Credentials, ServerAuth
 from topkv.service.cluster import Supervisor
 
@@ -104,15 +111,19 @@ class _Answer:
     kv_bytes: int | None = None
     prefill_worker: str | None = None
     decode_worker: str | None = None
+    kv_verified: bool | None = None
     error: str | None = None
 
 
 class _RouterThread:
     """The front door on its own event loop, in a daemon thread."""
 
-    def __init__(self, files: StackFiles) -> None:
+    def __init__(self, files: StackFiles, registry_url: str = "", affinity: bool = True) -> None:
         auth = ServerAuth(Credentials.of(admin=[files.admin_token], worker=[files.worker_token]))
-        self.server = RouterServer(auth, str(files.run_dir))
+        self.server = RouterServer(
+            auth, str(files.run_dir), registry_url=registry_url,
+            registry_token=files.admin_token, affinity=affinity,
+        )  # fmt: skip
         self._loop = asyncio.new_event_loop()
         started: Future[str] = Future()
         self._thread = threading.Thread(
@@ -179,6 +190,9 @@ async def _stream(
                 if not line.startswith("data:") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[len("data:") :])
+                topkv = (chunk.get("kv_transfer_params") or {}).get("topkv") or {}
+                if isinstance(topkv.get("verified"), bool):
+                    answer.kv_verified = topkv["verified"]
                 for choice in chunk.get("choices") or []:
                     ids = choice.get("token_ids") or []
                     if ids:
@@ -256,7 +270,7 @@ def _request_json(
     }
     # the default demo's keys, in its order; what this path does not measure is null
     out = {key: measured.get(key) for key in JSON_REQUEST_KEYS}
-    out["kv_verified"] = None  # a streamed answer carries no decode-side verification
+    out["kv_verified"] = answer.kv_verified  # the decode's report, in the stream's last chunk
     out["error"] = answer.error
     return out
 
@@ -278,6 +292,7 @@ def _summary(results: list[dict[str, Any]], wall_s: float, vllm_python: str) -> 
         "failed": [{"id": r["id"], "error": r["error"]} for r in results if r["error"]],
         "transports": transports,
         "kv_bytes": sum(r["bytes"] or 0 for r in results),
+        "kv_verified": sum(1 for r in results if r["kv_verified"]),
         "ttft_ms": Percentiles.of(ttft).as_dict() if ttft else None,
         "wall_s": round(wall_s, 3),
     }
@@ -312,11 +327,13 @@ def run_vllm_demo(options: VllmDemoOptions) -> dict[str, Any]:
     with _run_dir(options.run_dir) as root:
         model = _write_model(python, root / "model", options.seed)
         files = StackFiles.create(root)
-        router = _RouterThread(files)
+        router: _RouterThread | None = None
         try:
             with Supervisor(root / "logs", grace_s=20) as supervisor:
+                _, registry = start_orchestrator(supervisor, files)
+                router = _RouterThread(files, registry)
                 instances = start_pd_instances(
-                    supervisor, model, files, router.url, python=python,
+                    supervisor, model, files, registry, python=python,
                     max_model_len=max_model_len, load_timeout_s=20,
                 )  # fmt: skip
                 wait_up(instances, router.server.registry, timeout_s=420)
@@ -333,7 +350,8 @@ def run_vllm_demo(options: VllmDemoOptions) -> dict[str, Any]:
                 )
                 wall_s = time.perf_counter() - run_started
         finally:
-            router.close()
+            if router is not None:
+                router.close()
     results = [
         _request_json(r, a, ref, options.new_tokens)
         for r, a, ref in zip(requests, answers, references, strict=True)

@@ -11,6 +11,7 @@ Per-request parameters, as the front door (``topkv router``) sends them::
               "topkv": {"transfer_id": 17, "destination": "shm:///tmp/x.sock"}}
     decode:  {"do_remote_prefill": true,
               "topkv": {"transfer_id": 17, "medium": "shm", "timeout_s": 30}}
+    report:  {"topkv": {"report_of": 17}}   (a decode's load report, for a streamed answer)
 """
 
 from __future__ import annotations
@@ -174,3 +175,16 @@ class LoadParams:
         if timeout is not None and (not isinstance(timeout, int | float) or timeout <= 0):
             raise ConnectorConfigError("kv_transfer_params.topkv.timeout_s must be > 0")
         return cls(part["transfer_id"], medium, None if timeout is None else float(timeout))
+
+
+def report_of(params: Mapping[str, Any] | None) -> int | None:
+    """The transfer id a report request asks about (``{"topkv": {"report_of": ID}}``)."""
+    part = params.get("topkv") if params else None
+    if not isinstance(part, Mapping) or "report_of" not in part:
+        return None
+    asked = part["report_of"]
+    if isinstance(asked, bool) or not isinstance(asked, int) or asked < 0:
+        raise ConnectorConfigError(
+            f"kv_transfer_params.topkv.report_of must be an int >= 0, got {asked!r}"
+        )
+    return asked

@@ -6,15 +6,26 @@ instance (cheapest transfer by :class:`~topkv.policy.select.CostPolicy` on the p
 from :func:`~topkv.relay.pairs.pair_view_for_workers`, then least loaded, then id); free
 slots are the registration's capacity less the requests in flight. The chosen path class
 becomes a medium: shm when both share a host and the class rides on host memory, tcp else.
+
+KV already held (:mod:`topkv.policy.prefix_affinity`): given the request's prefix block
+hashes (:func:`prompt_hashes`), the prefill instance is the one that last served the
+longest prefix of it (vLLM's prefix cache then computes only the tail), within a load gap
+of the least loaded; the decode instance likewise, among those whose transfer costs the
+same as the routing policy's choice and have a free slot. :meth:`Picker.served` records
+what each instance was sent.
 """
 
 from __future__ import annotations
 
+import json
 from collections import Counter
-from collections.abc import Collection
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from topkv.integrations.vllm.params import shm_socket_path
+from topkv.policy.clock import Clock, MonotonicClock
+from topkv.policy.prefix_affinity import AffinityConfig, Candidate, PrefixAffinity, prefix_hashes
 from topkv.policy.route import DecodeWorkerView, RouteScore, RoutingPolicy
 from topkv.policy.select import CostPolicy
 from topkv.policy.view import TransferRequest
@@ -32,25 +43,97 @@ class Route:
     destination: str  # where the prefill instance sends the KV
     path_class: str
     rationale: str
+    #: Leading prefix blocks the chosen instances are believed to hold (prefill, decode).
+    affinity: tuple[int, int] = (0, 0)
 
 
 class NoInstance(Exception):
     """No registered instance of a role can take the request (the front door answers 503)."""
 
 
+#: Text prompts are hashed by their UTF-8 bytes, this many per block (about 32 tokens).
+TEXT_BLOCK_BYTES = 128
+
+
+def prompt_hashes(body: Mapping[str, Any], block_tokens: int = 32) -> tuple[bytes, ...]:
+    """The request's prefix block hashes: a token-id prompt by ``block_tokens`` tokens, a
+    text prompt or chat messages by :data:`TEXT_BLOCK_BYTES` bytes of its UTF-8 text
+    (the messages as canonical JSON). Empty when the prompt is not one of those (a batch)."""
+    prompt = body.get("prompt")
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    ):
+        return prefix_hashes(prompt, block_tokens)
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        text = prompt
+    elif isinstance(body.get("messages"), list):
+        text = json.dumps(body["messages"], sort_keys=True, separators=(",", ":"))
+    else:
+        return ()
+    return prefix_hashes(list(text.encode()), TEXT_BLOCK_BYTES)
+
+
 class Picker:
-    def __init__(self, registry: WorkerRegistry, shm_dir: str) -> None:
+    def __init__(
+        self,
+        registry: WorkerRegistry,
+        shm_dir: str,
+        *,
+        affinity: bool = True,
+        clock: Clock | None = None,
+        affinity_config: AffinityConfig | None = None,
+    ) -> None:
         self.registry = registry
         self.shm_dir = shm_dir
         self.in_flight: Counter[str] = Counter()
         self._routing = RoutingPolicy()
         self._selector = CostPolicy()
+        #: None: prefix affinity off (the least loaded instances, as before).
+        self.affinity = (
+            PrefixAffinity(clock or MonotonicClock(), affinity_config) if affinity else None
+        )
 
-    def pick(self, kv_bytes: int, exclude: Collection[str] = ()) -> Route:
+    def served(self, instance_id: str, hashes: Sequence[bytes]) -> None:
+        """``instance_id`` computed (prefill) or loaded (decode) a prompt of ``hashes``."""
+        if self.affinity is not None and hashes:
+            self.affinity.record(instance_id, hashes)
+
+    def forget(self, instance_id: str) -> None:
+        if self.affinity is not None:
+            self.affinity.forget(instance_id)
+
+    def _held(
+        self, workers: Sequence[WorkerInfo], hashes: Sequence[bytes]
+    ) -> tuple[str, int] | None:
+        if self.affinity is None:
+            return None
+        candidates = [Candidate(w.worker_id, float(self.in_flight[w.worker_id])) for w in workers]
+        choice = self.affinity.choose(candidates, hashes)
+        return None if choice is None else (choice.instance_id, choice.matched_blocks)
+
+    def fallback_decode(self, exclude: Collection[str]) -> WorkerInfo | None:
+        """A decode instance to continue a broken stream on (no KV moves): the least
+        loaded registered one not in ``exclude`` (None: none left)."""
+        decodes = [w for w in self.registry.workers("decode") if w.worker_id not in exclude]
+        if not decodes:
+            return None
+        return min(decodes, key=lambda w: (self.in_flight[w.worker_id], w.worker_id))
+
+    def pick(
+        self, kv_bytes: int, exclude: Collection[str] = (), hashes: Sequence[bytes] = ()
+    ) -> Route:
         prefills = [w for w in self.registry.workers("prefill") if w.worker_id not in exclude]
         if not prefills:
             raise NoInstance("no prefill instance is registered")
         prefill = min(prefills, key=lambda w: (self.in_flight[w.worker_id], w.worker_id))
+        held = self._held(prefills, hashes)
+        if held is not None:
+            prefill = next(w for w in prefills if w.worker_id == held[0])
+        prefill_matched = held[1] if held is not None else 0
         decodes = {
             w.worker_id: w
             for w in self.registry.workers("decode")
@@ -82,6 +165,23 @@ class Picker:
         decision = self._routing.choose_scored(scores, views, self._selector, request)
         if decision is None:
             raise NoInstance("every decode instance is full (capacity reached)")
+        decode_matched = 0
+        best = min(s.cost for s in scores if s.worker_id == decision.worker_id)
+        peers = [
+            decodes[s.worker_id]
+            for s in scores
+            if s.cost <= best and views[s.worker_id].free_slots > 0
+        ]
+        held = self._held(peers, hashes)
+        if held is not None and held[0] != decision.worker_id:
+            others = set(decodes) - {held[0]}
+            warm = self._routing.choose_scored(
+                scores, views, self._selector, request, exclude=others
+            )
+            if warm is not None:
+                decision = warm
+        if held is not None and held[0] == decision.worker_id:
+            decode_matched = held[1]
         decode = decodes[decision.worker_id]
         path = decision.selection.choice
         same_host = bool(prefill.host_id) and prefill.host_id == decode.host_id
@@ -91,4 +191,7 @@ class Picker:
             if medium == "shm"
             else decode.address
         )
-        return Route(prefill, decode, medium, destination, path, decision.rationale)
+        return Route(
+            prefill, decode, medium, destination, path, decision.rationale,
+            (prefill_matched, decode_matched),
+        )  # fmt: skip

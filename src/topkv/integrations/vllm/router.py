@@ -10,13 +10,17 @@ orchestrator's transfer API neither needs nor should carry). Endpoints:
   (it streams every layer to it while it computes); the decode instance then runs the
   request with ``kv_transfer_params`` naming the transfer, and its answer (or stream) goes
   back to the client as it comes. A decode instance that cannot be reached is dropped from
-  the registry and the request is tried once more on another; none left: 503.
+  the registry and the request is tried once more on another; none left: 503. A stream that
+  breaks off continues on another decode instance, and gets the decode's load report in
+  its last chunk (:mod:`.stream`).
   Every decode answer carries ``X-TopKV-Transfer-Id``, ``-Medium``, ``-KV-Bytes-Sent``
   (what the prefill reported), ``-Prefill`` and ``-Decode`` (the instances): a streamed
   answer has no ``kv_transfer_params``.
 * ``GET /v1/models``: a decode instance's list. ``GET /metrics``: Prometheus text.
 * ``/v1/workers`` (register, heartbeat, deregister): the vLLM instances' registrations,
-  with worker tokens, exactly as on ``topkv orchestrator``.
+  with worker tokens, exactly as on ``topkv orchestrator``; or, with ``registry_url``,
+  none: the instances register with that orchestrator and the front door reads them from
+  it (:mod:`.remote_registry`).
 
 Every endpoint but ``/metrics`` (open unless protected) needs ``Authorization: Bearer``
 with an admin token (the OpenAI client's ``api_key``) or, for ``/v1/workers``, a worker token.
@@ -36,8 +40,11 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from topkv.integrations.vllm.picker import NoInstance, Picker, Route
+from topkv.integrations.vllm.picker import NoInstance, Picker, Route, prompt_hashes
+from topkv.integrations.vllm.remote_registry import OrchestratorRegistry
+from topkv.integrations.vllm.stream import StreamRelay, can_fail_over
 from topkv.relay.registry import MemoryRegistry
+from topkv.relay.workers import WorkerInfo
 from topkv.service.auth import Access, ServerAuth, secured_app
 from topkv.service.auth import Route as ApiRoute
 from topkv.service.httputil import site_url
@@ -76,6 +83,14 @@ class _Metrics:
         self.prefill = Histogram(
             "topkv_router_prefill_seconds", "the prefill call", registry=self.registry
         )
+        self.failovers = Counter(
+            "topkv_router_stream_failovers", "broken decode streams continued elsewhere",
+            registry=self.registry,
+        )  # fmt: skip
+        self.affinity = Counter(
+            "topkv_router_affinity_hits", "picks of an instance believed to hold the prefix",
+            ["role"], registry=self.registry,
+        )  # fmt: skip
 
 
 class UpstreamError(Exception):
@@ -83,11 +98,20 @@ class UpstreamError(Exception):
 
 
 class Router:
-    def __init__(self, registry: MemoryRegistry, auth: ServerAuth | None, shm_dir: str) -> None:
+    def __init__(
+        self,
+        registry: MemoryRegistry | OrchestratorRegistry,
+        auth: ServerAuth | None,
+        shm_dir: str,
+        *,
+        affinity: bool = True,
+    ) -> None:
         self.registry = registry
         self.auth = auth
-        self.registrations = Registrations(registry)
-        self.picker = Picker(registry, shm_dir)
+        self.remote = registry if isinstance(registry, OrchestratorRegistry) else None
+        embedded = registry if isinstance(registry, MemoryRegistry) else MemoryRegistry()
+        self.registrations = Registrations(embedded)
+        self.picker = Picker(registry, shm_dir, affinity=affinity)
         self.metrics = _Metrics()
         self._ids = itertools.count(int(time.time() * 1000) % (1 << 40))
         self._session: aiohttp.ClientSession | None = None
@@ -99,8 +123,37 @@ class Router:
             ApiRoute("GET", "/v1/models", self.models, Access.ADMIN),
             ApiRoute("GET", "/metrics", self.prometheus, Access.METRICS),
             ApiRoute("GET", "/healthz", self.healthz, Access.PUBLIC),
-            *self.registrations.routes(),
+            *(self.registrations.routes() if self.remote is None else self._elsewhere()),
         ]
+
+    def _elsewhere(self) -> list[ApiRoute]:
+        """With a remote registry: /v1/workers answers 409 naming where to register."""
+        assert self.remote is not None
+        url = self.remote.url
+
+        async def refuse(request: web.Request) -> web.Response:
+            return error_response(
+                409, "registry", f"this front door reads its instances from {url}: register there"
+            )
+
+        return [
+            ApiRoute("POST", "/v1/workers", refuse, Access.WORKER),
+            ApiRoute("PUT", "/v1/workers/{worker_id}/heartbeat", refuse, Access.WORKER),
+            ApiRoute("DELETE", "/v1/workers/{worker_id}", refuse, Access.WORKER),
+        ]
+
+    def _unavailable(self, why: str) -> str:
+        """``why``, and the remote registry's trouble when it has one."""
+        problem = self.remote.problem if self.remote is not None else None
+        return f"{why} ({problem})" if problem else why
+
+    async def forget(self, worker_id: str) -> None:
+        """``worker_id`` failed: out of the registry (and of the affinity table)."""
+        self.picker.forget(worker_id)
+        if self.remote is not None:
+            await self.remote.forget(worker_id)
+        else:
+            self.registrations.forget(worker_id)
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None:
@@ -123,7 +176,8 @@ class Router:
     async def models(self, request: web.Request) -> web.Response:
         decodes = self.registry.workers("decode")
         if not decodes:
-            return error_response(503, "unavailable", "no decode instance is registered")
+            why = self._unavailable("no decode instance is registered")
+            return error_response(503, "unavailable", why)
         try:
             async with self._client().get(decodes[0].control_url + "/v1/models") as answer:
                 return web.Response(
@@ -148,18 +202,19 @@ class Router:
         if not isinstance(body, dict):
             return error_response(400, "bad_request", "the body must be a JSON object")
         excluded: set[str] = set()
+        hashes = prompt_hashes(body)
         for _attempt in range(2):
             try:
-                route = self.picker.pick(_NOMINAL_KV_BYTES, excluded)
+                route = self.picker.pick(_NOMINAL_KV_BYTES, excluded, hashes)
             except NoInstance as exc:
                 self.metrics.requests.labels(path, "unavailable").inc()
-                return error_response(503, "unavailable", str(exc))
+                return error_response(503, "unavailable", self._unavailable(str(exc)))
             try:
-                return await self._run(request, path, body, route)
+                return await self._run(request, path, body, route, hashes)
             except UpstreamError as exc:
                 failed = str(exc.args[1]) if len(exc.args) > 1 else route.decode.worker_id
                 log.warning("router: %s; dropping %s and trying again", exc.args[0], failed)
-                self.registrations.forget(failed)
+                await self.forget(failed)
                 excluded.add(failed)
         self.metrics.requests.labels(path, "upstream_failed").inc()
         return error_response(502, "upstream", "the chosen instances failed twice")
@@ -171,7 +226,12 @@ class Router:
             raise UpstreamError(f"{worker_id} ({url}): {exc}", worker_id) from exc
 
     async def _run(
-        self, request: web.Request, path: str, body: dict[str, Any], route: Route
+        self,
+        request: web.Request,
+        path: str,
+        body: dict[str, Any],
+        route: Route,
+        hashes: tuple[bytes, ...] = (),
     ) -> web.StreamResponse:
         started = time.perf_counter()
         transfer_id = next(self._ids)
@@ -199,6 +259,10 @@ class Router:
                     )
                 sent = self._count_sent(answer)
             self.metrics.prefill.observe(time.perf_counter() - started)
+            self.picker.served(ids[0], hashes)
+            for role, matched in zip(("prefill", "decode"), route.affinity, strict=True):
+                if matched:
+                    self.metrics.affinity.labels(role).inc()
             # what the prefill reported, for a streamed answer (which carries no
             # kv_transfer_params): the transfer, its medium and the bytes sent
             headers = {
@@ -207,6 +271,7 @@ class Router:
                 "X-TopKV-KV-Bytes-Sent": str(sent if sent is not None else ""),
                 "X-TopKV-Prefill": ids[0],
                 "X-TopKV-Decode": ids[1],
+                "X-TopKV-Prefix-Blocks": f"{route.affinity[0]},{route.affinity[1]}",
             }
             self.metrics.transfers.labels(route.medium).inc()
             decode_body = {
@@ -216,11 +281,20 @@ class Router:
                     "topkv": {"transfer_id": transfer_id, "medium": route.medium},
                 },
             }
+            streamed = bool(body.get("stream"))
+            if streamed and can_fail_over(body):
+                decode_body["return_token_ids"] = True  # to continue it elsewhere if it breaks
             decode = await self._post(ids[1], route.decode.control_url + path, decode_body)
-            async with decode:
-                self.metrics.ttft.observe(time.perf_counter() - started)
-                if not body.get("stream") or decode.status != 200:
-                    answer = await decode.read()
+            self.picker.served(ids[1], hashes)
+            if not streamed or decode.status != 200:
+                async with decode:
+                    self.metrics.ttft.observe(time.perf_counter() - started)
+                    try:
+                        answer = await decode.read()
+                    except (aiohttp.ClientError, TimeoutError) as exc:
+                        raise UpstreamError(
+                            f"{ids[1]}: the answer broke off: {exc}", ids[1]
+                        ) from exc
                     if decode.status == 200:
                         self._count_loaded(answer)
                     self.metrics.requests.labels(path, str(decode.status)).inc()
@@ -228,20 +302,74 @@ class Router:
                         body=answer, status=decode.status, content_type="application/json",
                         headers=headers,
                     )  # fmt: skip
-                out = web.StreamResponse(headers={"Content-Type": "text/event-stream", **headers})
-                await out.prepare(request)
-                try:
-                    async for chunk in decode.content.iter_any():
-                        await out.write(chunk)
-                except (aiohttp.ClientError, TimeoutError) as exc:
-                    log.warning("router: the stream from %s broke off: %s", ids[1], exc)
-                    self.metrics.requests.labels(path, "stream_broken").inc()
-                    return out  # headers are sent: the client sees the stream end early
-                await out.write_eof()
-                self.metrics.requests.labels(path, "200").inc()
-                return out
+            self.metrics.ttft.observe(time.perf_counter() - started)
+            return await self._relay(request, path, body, route, transfer_id, decode, headers)
         finally:
             self.picker.in_flight.subtract(ids)
+
+    async def _relay(
+        self,
+        request: web.Request,
+        path: str,
+        body: dict[str, Any],
+        route: Route,
+        transfer_id: int,
+        decode: aiohttp.ClientResponse,
+        headers: dict[str, str],
+    ) -> web.StreamResponse:
+        """Stream the decode's answer to the client (:class:`.stream.StreamRelay`)."""
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream", **headers})
+        await out.prepare(request)
+        model = body.get("model")
+
+        async def report() -> dict[str, Any] | None:
+            return await self._report(route.decode, model, transfer_id)
+
+        async def open_stream(
+            worker: WorkerInfo, url_path: str, continuation: dict[str, Any]
+        ) -> aiohttp.ClientResponse:
+            self.picker.in_flight[worker.worker_id] += 1
+            opened.append(worker.worker_id)
+            return await self._client().post(worker.control_url + url_path, json=continuation)
+
+        opened: list[str] = []
+        relay = StreamRelay(
+            out, body, path.endswith("/chat/completions"), report, open_stream,
+            self.picker.fallback_decode, self.forget,
+        )  # fmt: skip
+        try:
+            await relay.run(route.decode, decode)
+        except (ConnectionError, RuntimeError) as exc:  # the client went away
+            log.info("router: the client of %s left: %s", transfer_id, exc)
+            relay.outcome = "client_gone"
+        finally:
+            await relay.close()
+            self.picker.in_flight.subtract(opened)
+        self.metrics.failovers.inc(len(relay.failovers))
+        params = relay.final_params
+        if params is not None:
+            self._count_loaded(json.dumps({"kv_transfer_params": params}).encode())
+        self.metrics.requests.labels(path, relay.outcome).inc()
+        if relay.outcome in ("200", "stream_error"):
+            with contextlib.suppress(ConnectionError, RuntimeError):
+                await out.write_eof()
+        return out
+
+    async def _report(
+        self, decode: WorkerInfo, model: Any, transfer_id: int
+    ) -> dict[str, Any] | None:
+        """The decode instance's load report of ``transfer_id`` (see :mod:`.scheduler_side`)."""
+        body = {
+            "model": model, "prompt": [0], "max_tokens": 1, "temperature": 0,
+            "kv_transfer_params": {"topkv": {"report_of": transfer_id}},
+        }  # fmt: skip
+        async with self._client().post(decode.control_url + "/v1/completions", json=body) as r:
+            answer = await r.read()
+            if r.status != 200:
+                raise UpstreamError(f"{decode.worker_id}: the report: HTTP {r.status}")
+        part = _topkv_params(answer) or {}
+        report = part.get("report")
+        return report if isinstance(report, dict) else None
 
     def _count_sent(self, answer: bytes) -> int | None:
         """Count the bytes the prefill reports it sent; returns them (None: not reported)."""
@@ -278,34 +406,51 @@ def _topkv_params(answer: bytes) -> dict[str, Any] | None:
 
 
 class RouterServer:
-    """The front door on ``host:port``, with its embedded registry (leases swept here)."""
+    """The front door on ``host:port``: with its embedded registry (leases swept here), or
+    reading the instances from the orchestrator at ``registry_url`` (with ``registry_token``,
+    one of its admin tokens)."""
 
-    def __init__(self, auth: ServerAuth | None, shm_dir: str = "/tmp") -> None:
-        self.registry = MemoryRegistry()
-        self.router = Router(self.registry, auth, shm_dir)
+    def __init__(
+        self,
+        auth: ServerAuth | None,
+        shm_dir: str = "/tmp",
+        *,
+        registry_url: str = "",
+        registry_token: str | None = None,
+        affinity: bool = True,
+    ) -> None:
+        self.registry: MemoryRegistry | OrchestratorRegistry = (
+            OrchestratorRegistry(registry_url, registry_token) if registry_url else MemoryRegistry()
+        )
+        self.router = Router(self.registry, auth, shm_dir, affinity=affinity)
         self.auth = auth
         self._runner: web.AppRunner | None = None
         self._expire: asyncio.Task[None] | None = None
 
     async def serve(self, host: str = "127.0.0.1", port: int = 0) -> str:
-        """Start serving; the URL clients and instances use."""
+        """Start serving; the URL clients (and, with the embedded registry, instances) use."""
+        if isinstance(self.registry, OrchestratorRegistry):
+            await self.registry.start()
         app = secured_app(self.router.routes(), self.auth)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._runner.setup()
         await web.TCPSite(self._runner, host, port).start()
-        self._expire = asyncio.create_task(self._expire_loop())
+        if isinstance(self.registry, MemoryRegistry):
+            self._expire = asyncio.create_task(self._expire_loop(self.registry))
         return site_url(self._runner, host)
 
-    async def _expire_loop(self) -> None:
+    async def _expire_loop(self, registry: MemoryRegistry) -> None:
         while True:
             await asyncio.sleep(0.25)
-            self.registry.expire()
+            registry.expire()
 
     async def close(self) -> None:
         if self._expire is not None:
             self._expire.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._expire
+        if isinstance(self.registry, OrchestratorRegistry):
+            await self.registry.aclose()
         await self.router.close()
         if self._runner is not None:
             await self._runner.cleanup()

@@ -12,14 +12,30 @@ allocated blocks into a :class:`LoadSpec`. When the worker reports the load fini
 blocks it could not fill (corrupt, missing, late) come back as vLLM's invalid blocks and
 vLLM recomputes them; ``request_finished`` then returns what happened under
 ``kv_transfer_params.topkv`` (bytes, verified, recomputed).
+
+Reports (``{"topkv": {"report_of": TRANSFER_ID}}``): vLLM puts ``kv_transfer_params`` only
+in whole answers, never in a stream, so the front door asks for a streamed request's load
+report with a one-token request carrying these parameters; its ``request_finished``
+answers with the report of that transfer (once its load finished; the last
+:data:`REPORTS_KEPT` are kept) under ``kv_transfer_params.topkv.report``.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from topkv.integrations.vllm.params import ConnectorSettings, LoadParams, SendParams
+from topkv.integrations.vllm.params import (
+    ConnectorConfigError,
+    ConnectorSettings,
+    LoadParams,
+    SendParams,
+    report_of,
+)
+
+#: Finished loads whose report a later request may still ask for.
+REPORTS_KEPT = 1024
 
 
 @dataclass(frozen=True)
@@ -72,6 +88,7 @@ class SchedulerSide:
         self._sent: dict[str, tuple[int, int]] = {}  # streamed: transfer id, tokens
         self._pending_loads: dict[str, LoadSpec] = {}
         self._loads: dict[str, _Load] = {}
+        self._reports: OrderedDict[int, dict[str, Any]] = OrderedDict()  # transfer id -> report
 
     # -- decode ---------------------------------------------------------------------------
 
@@ -142,9 +159,25 @@ class SchedulerSide:
             )
         return plan
 
+    def report(self, transfer_id: int) -> dict[str, Any] | None:
+        """What became of transfer ``transfer_id``'s load here (None: unknown, or its load
+        has not finished yet)."""
+        if transfer_id in self._reports:
+            return self._reports[transfer_id]
+        for load in self._loads.values():
+            if load.spec.transfer_id == transfer_id and load.done:
+                return _load_report(load)
+        return None
+
     def finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
         """(delay freeing the blocks?, kv_transfer_params for the response)."""
         req_id = request.request_id
+        try:
+            asked = report_of(request.kv_transfer_params)
+        except ConnectorConfigError as exc:  # never raise into vLLM's scheduler for a request
+            return False, {"topkv": {"error": str(exc)}}
+        if asked is not None:
+            return False, {"topkv": {"report_of": asked, "report": self.report(asked)}}
         self._sends.pop(req_id, None)
         sent = self._sent.pop(req_id, None)
         if sent is not None:  # freed once the worker reports the send settled
@@ -156,13 +189,19 @@ class SchedulerSide:
         if load is None:
             return False, None
         self._pending_loads.pop(req_id, None)
-        verified = load.done and not load.failed
-        return False, {
-            "topkv": {
-                "transfer_id": load.spec.transfer_id,
-                "medium": load.spec.medium,
-                "kv_bytes": load.kv_bytes if verified else 0,
-                "verified": verified,
-                "recomputed": not verified,
-            }
-        }
+        report = _load_report(load)
+        self._reports[load.spec.transfer_id] = report
+        while len(self._reports) > REPORTS_KEPT:
+            self._reports.popitem(last=False)
+        return False, {"topkv": report}
+
+
+def _load_report(load: _Load) -> dict[str, Any]:
+    verified = load.done and not load.failed
+    return {
+        "transfer_id": load.spec.transfer_id,
+        "medium": load.spec.medium,
+        "kv_bytes": load.kv_bytes if verified else 0,
+        "verified": verified,
+        "recomputed": not verified,
+    }

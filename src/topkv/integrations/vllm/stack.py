@@ -1,6 +1,7 @@
-"""A local prefill/decode stack: N prefill and M decode vLLM instances running
-TopKVConnector, registered with one front door. ``topkv vllm up``, the end-to-end tests and
-the benchmark start their instances through :func:`start_pd_instances`."""
+"""A local prefill/decode stack: a ``topkv orchestrator`` (:func:`start_orchestrator`, the
+registry) and N prefill and M decode vLLM instances running TopKVConnector
+(:func:`start_pd_instances`), which register with it; the front door reads them from it.
+``topkv vllm up``, the demo, the end-to-end tests and the benchmark start theirs here."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from topkv.integrations.vllm.launch import (
 )
 from topkv.relay.registry_base import WorkerRegistry
 from topkv.service.auth import new_token, write_token_file
-from topkv.service.cluster import Supervisor
+from topkv.service.cluster import ManagedProcess, ProcessSpec, Supervisor, topkv_command
 
 
 def free_port() -> int:
@@ -57,6 +58,27 @@ class StackFiles:
         write_token_file(files.worker_file, files.worker_token)
         write_token_file(files.secret_file, os.urandom(32).hex())
         return files
+
+
+def start_orchestrator(
+    supervisor: Supervisor, files: StackFiles, port: int = 0, timeout_s: float = 120.0
+) -> tuple[ManagedProcess, str]:
+    """A ``topkv orchestrator`` process (embedded registry; the stack's admin token, and
+    its worker token for the instances' registrations); returns it and its URL once it
+    serves."""
+    ready = files.run_dir / "orchestrator.ready.json"
+    argv = topkv_command(
+        "orchestrator", "--host", "127.0.0.1", "--port", str(port), "--ready-file", str(ready),
+        "--token-file", str(files.admin_file), "--worker-token-file", str(files.worker_file),
+    )  # fmt: skip
+    process = supervisor.start(ProcessSpec("orchestrator", argv, ready))
+    waited = supervisor.ready_timeout_s
+    supervisor.ready_timeout_s = timeout_s
+    try:
+        url = str(supervisor.wait_ready(process)["url"])
+    finally:
+        supervisor.ready_timeout_s = waited
+    return process, url
 
 
 def start_pd_instances(
