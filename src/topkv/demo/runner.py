@@ -30,7 +30,7 @@ import math
 import tempfile
 import time
 from collections.abc import Callable, Coroutine, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
@@ -180,9 +180,8 @@ class DemoRun:
         self.model_id = ""
         self.layer_bytes_per_token = 0
         self.layers = 0
-        self.kv_heads = 0
-        self.head_dim = 0
-        self.wire_dtype = "fp32"
+        #: The KV layout of one token of the model the workers serve (learnt at start).
+        self._token_layout = KVLayout(num_layers=0, seq_len=1, kv_heads=0, head_dim=0)
         self.infos: dict[str, WorkerInfo] = {}
         self._links: dict[tuple[str, str, str], LinkChoice] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -242,13 +241,7 @@ class DemoRun:
         )
 
     def _layout(self, prompt_len: int) -> KVLayout:
-        return KVLayout(
-            num_layers=self.layers,
-            seq_len=prompt_len,
-            kv_heads=self.kv_heads,
-            head_dim=self.head_dim,
-            dtype=self.wire_dtype,
-        )
+        return replace(self._token_layout, seq_len=prompt_len)
 
     # -- the run ---------------------------------------------------------------------------
 
@@ -298,11 +291,15 @@ class DemoRun:
         if not isinstance(engine, dict):
             raise DemoError("the workers did not describe their engine")
         self.model_id = str(engine["model_id"])
-        self.layers = int(engine["layers"])
-        self.kv_heads, self.head_dim = int(engine["kv_heads"]), int(engine["head_dim"])
-        self.wire_dtype = str(engine["dtype"])
-        itemsize = self._layout(1).itemsize
-        self.layer_bytes_per_token = 2 * self.kv_heads * self.head_dim * itemsize
+        self._token_layout = KVLayout(
+            num_layers=int(engine["layers"]),
+            seq_len=1,
+            kv_heads=int(engine["kv_heads"]),
+            head_dim=int(engine["head_dim"]),
+            dtype=str(engine["dtype"]),
+        )
+        self.layers = self._token_layout.num_layers
+        self.layer_bytes_per_token = self._token_layout.layer_bytes
 
     async def _warm_up(self) -> None:
         """Measure this host's KV production rate, then set the dilation from it."""
