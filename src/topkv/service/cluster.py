@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -466,13 +466,13 @@ class SmokeLayout:
     dtype: str = "fp16"
 
     def as_json(self) -> dict[str, object]:
-        return {
-            "num_layers": self.layers,
-            "seq_len": self.tokens,
-            "kv_heads": self.kv_heads,
-            "head_dim": self.head_dim,
-            "dtype": self.dtype,
-        }
+        """Every field, under its name in the API's layout
+        (:class:`~topkv.service.messages.LayoutModel`)."""
+        return {_LAYOUT_NAMES.get(name, name): value for name, value in asdict(self).items()}
+
+
+#: The fields of :class:`SmokeLayout` that the API's layout names otherwise.
+_LAYOUT_NAMES = {"layers": "num_layers", "tokens": "seq_len"}
 
 
 def check_forced_medium(medium: str, media: Sequence[str] | None) -> None:
