@@ -11,9 +11,13 @@ password flag on purpose: a command line is visible to every user in ``ps``.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from pathlib import Path
+from types import MappingProxyType
+from typing import Any
 
 import typer
 
@@ -94,6 +98,46 @@ def etcd_key_option() -> Path | None:
     return typer.Option(  # type: ignore[no-any-return]
         None, "--etcd-key", help=f"etcds://: the key of --etcd-cert (else ${ENV_KEY})"
     )
+
+
+#: Stands in a command's signature for the five ``--etcd-*`` flags: :func:`with_etcd_flags`
+#: puts them in its place and calls the command with their ``TOPKV_ETCD_*`` variables.
+ETCD_FLAGS: Mapping[str, str] = MappingProxyType({})
+
+#: The ``--etcd-*`` parameters, in order: name, type, option.
+_ETCD_PARAMETERS: tuple[tuple[str, object, Callable[[], object]], ...] = (
+    ("etcd_user", str, etcd_user_option),
+    ("etcd_password_file", Path | None, etcd_password_file_option),
+    ("etcd_ca", Path | None, etcd_ca_option),
+    ("etcd_cert", Path | None, etcd_cert_option),
+    ("etcd_key", Path | None, etcd_key_option),
+)
+
+
+def with_etcd_flags(command: Callable[..., None]) -> Callable[..., None]:
+    """``command`` taking the ``--etcd-*`` flags where its ``etcd`` parameter
+    (default :data:`ETCD_FLAGS`) stands, and called with what they resolve to:
+    :func:`etcd_env` of them."""
+    signature = inspect.signature(command, eval_str=True)
+    parameters: list[inspect.Parameter] = []
+    for parameter in signature.parameters.values():
+        if parameter.name != "etcd":
+            parameters.append(parameter)
+            continue
+        parameters += [
+            inspect.Parameter(name, parameter.kind, default=option(), annotation=kind)
+            for name, kind, option in _ETCD_PARAMETERS
+        ]
+
+    @functools.wraps(command)
+    def with_flags(**given: Any) -> None:
+        flags = [given.pop(name) for name, _, _ in _ETCD_PARAMETERS]
+        command(**given, etcd=etcd_env(*flags))
+
+    with_flags.__signature__ = signature.replace(parameters=parameters)  # type: ignore[attr-defined]
+    with_flags.__annotations__ = {p.name: p.annotation for p in parameters}
+    with_flags.__annotations__["return"] = signature.return_annotation
+    return with_flags
 
 
 def etcd_env(

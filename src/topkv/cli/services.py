@@ -9,6 +9,7 @@ import os
 import signal
 import socket
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -31,20 +32,16 @@ from topkv.cli.leader_options import (
     lease_seconds_option,
 )
 from topkv.cli.security_options import (
+    ETCD_FLAGS,
     apply_etcd_env,
     check_etcd_env,
     client_tls,
-    etcd_ca_option,
-    etcd_cert_option,
-    etcd_env,
     etcd_flags,
-    etcd_key_option,
-    etcd_password_file_option,
-    etcd_user_option,
     server_tls,
     tls_ca_option,
     tls_cert_option,
     tls_key_option,
+    with_etcd_flags,
 )
 from topkv.cli.tier_options import (
     device_kv_capacity_option,
@@ -119,6 +116,7 @@ def _adp_config(value: str) -> ADPConfig | None:
     return ADPConfig() if value == "on" else None
 
 
+@with_etcd_flags
 def orchestrator_command(
     host: str = typer.Option("127.0.0.1", help="address to listen on"),
     port: int = typer.Option(DEFAULT_PORT, help="HTTP port (0 picks a free one)"),
@@ -148,11 +146,7 @@ def orchestrator_command(
     tls_ca: Path | None = tls_ca_option(
         "the CA that https:// workers' certificates are verified with (default: the system's)"
     ),
-    etcd_user: str = etcd_user_option(),
-    etcd_password_file: Path | None = etcd_password_file_option(),
-    etcd_ca: Path | None = etcd_ca_option(),
-    etcd_cert: Path | None = etcd_cert_option(),
-    etcd_key: Path | None = etcd_key_option(),
+    etcd: Mapping[str, str] = ETCD_FLAGS,
     leader_elect: str | None = leader_elect_option(),
     lease_seconds: float = lease_seconds_option(),
     advertise_url: str | None = advertise_url_option(),
@@ -167,7 +161,7 @@ def orchestrator_command(
     from topkv.service.httputil import write_ready_file
 
     _logging(log_level)
-    apply_etcd_env(registry, etcd_env(etcd_user, etcd_password_file, etcd_ca, etcd_cert, etcd_key))
+    apply_etcd_env(registry, etcd)
     auth = orchestrator_auth(
         token_file,
         worker_token_file,
@@ -208,6 +202,7 @@ def orchestrator_command(
     asyncio.run(_until_signalled(main))
 
 
+@with_etcd_flags
 def worker_command(
     role: str = typer.Option(..., help="prefill | decode"),
     node: str = typer.Option("", help="node name (default: this host's name)"),
@@ -270,11 +265,7 @@ def worker_command(
         "the CA that an https:// --orchestrator's certificate is verified with (default: the "
         "system's)"
     ),
-    etcd_user: str = etcd_user_option(),
-    etcd_password_file: Path | None = etcd_password_file_option(),
-    etcd_ca: Path | None = etcd_ca_option(),
-    etcd_cert: Path | None = etcd_cert_option(),
-    etcd_key: Path | None = etcd_key_option(),
+    etcd: Mapping[str, str] = ETCD_FLAGS,
 ) -> None:
     """Run a worker: an engine, transfer endpoints (every medium offered), KV buffers,
     control API, heartbeat."""
@@ -284,7 +275,7 @@ def worker_command(
     _logging(log_level)
     if role not in ("prefill", "decode"):
         raise ConfigError(f"--role must be prefill or decode, not {role!r}")
-    apply_etcd_env(registry, etcd_env(etcd_user, etcd_password_file, etcd_ca, etcd_cert, etcd_key))
+    apply_etcd_env(registry, etcd)
     engine_spec = _engine_spec(engine, model_path, demo_model, torch_threads)
     if demo_moe_experts:
         engine_spec = dataclasses.replace(engine_spec, demo_experts=demo_moe_experts)
@@ -348,6 +339,7 @@ def worker_command(
     asyncio.run(_until_signalled(main))
 
 
+@with_etcd_flags
 def cluster_up_command(
     prefill: int = typer.Option(1, help="prefill workers"),
     decode: int = typer.Option(1, help="decode workers"),
@@ -373,11 +365,7 @@ def cluster_up_command(
     tls: bool = typer.Option(
         False, "--tls", help="serve HTTPS everywhere, with a throwaway CA made in the run dir"
     ),
-    etcd_user: str = etcd_user_option(),
-    etcd_password_file: Path | None = etcd_password_file_option(),
-    etcd_ca: Path | None = etcd_ca_option(),
-    etcd_cert: Path | None = etcd_cert_option(),
-    etcd_key: Path | None = etcd_key_option(),
+    etcd: Mapping[str, str] = ETCD_FLAGS,
 ) -> None:
     """Start an orchestrator and N + M workers as real processes (Ctrl-C stops them all).
 
@@ -402,7 +390,6 @@ def cluster_up_command(
             raise ConfigError("--force-transport applies to the --smoke run; add --smoke K")
         check_forced_medium(forced, offered)
     engine_spec = _engine_spec(engine, model_path, demo_model, 1 if engine == "hf" else 0)
-    etcd = etcd_env(etcd_user, etcd_password_file, etcd_ca, etcd_cert, etcd_key)
     check_etcd_env(registry, etcd)
     console = stdout_console()
     cluster = LocalCluster(
