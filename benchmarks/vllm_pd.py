@@ -12,6 +12,12 @@ they share the machine's noise.
 Run: ``.venv-vllm/bin/python benchmarks/vllm_pd.py [--json] [--requests N]`` (with the
 project's ``.venv`` it re-runs itself under ``.venv-vllm`` when that exists, and skips
 otherwise: ``scripts/install-vllm.sh`` makes it).
+
+``--affinity [--rounds R]`` measures something else instead: TTFT of repeated-prefix
+requests through the front door with the picker's prefix affinity on and off, over the
+same two prefill and one decode instances (:mod:`topkv.integrations.vllm.affinity_bench`);
+its JSON is ``{"affinity": {...}, "no_affinity": {...}, "ttft_p50_ratio",
+"ttft_mean_ratio", "prefill_mean_ratio", ...}``.
 """
 
 from __future__ import annotations
@@ -87,8 +93,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--requests", type=int, default=12)
+    parser.add_argument("--affinity", action="store_true", help="prefix affinity on vs off")
+    parser.add_argument("--rounds", type=int, default=8, help="--affinity: rounds")
     args = parser.parse_args()
     _need_vllm()
+    if args.affinity:
+        _affinity(args.json, args.rounds)
+        return
     from topkv.integrations.vllm.launch import (
         VllmStartError,
         kv_transfer_config,
@@ -218,6 +229,23 @@ def main() -> None:
               f"  transfer p50 {e['transfer_ms_p50']:6.1f} ms")  # fmt: skip
     for key, value in report["ratios"].items():
         print(f"  {key}: {value:.2f}")
+
+
+def _affinity(as_json: bool, rounds: int) -> None:
+    from topkv.integrations.vllm.affinity_bench import AffinityBenchOptions, run_affinity_bench
+
+    root = Path(tempfile.mkdtemp(prefix="topkv-vllm-affinity-"))
+    report = run_affinity_bench(sys.executable, root, AffinityBenchOptions(rounds=rounds))
+    if as_json:
+        print(json.dumps(report, indent=1))
+        return
+    for name in ("affinity", "no_affinity"):
+        e = report[name]
+        print(f"  {name:12s} TTFT p50 {e['ttft_p50_ms']:7.1f} ms  p90 {e['ttft_p90_ms']:7.1f} ms"
+              f"  mean {e['ttft_mean_ms']:7.1f} ms  prefill mean {e['prefill_ms_mean']} ms"
+              f"  same prefill {e['prefix_on_the_same_prefill']}/{e['requests']}")  # fmt: skip
+    for key in ("ttft_p50_ratio", "ttft_mean_ratio", "prefill_mean_ratio"):
+        print(f"  {key} (affinity / none): {report[key]}")
 
 
 if __name__ == "__main__":
