@@ -38,8 +38,9 @@ def router_command(
     insecure_no_auth: bool = insecure_option(),
     registry: str = typer.Option(
         "",
-        help="read the instances from this `topkv orchestrator` (http://HOST:PORT; they "
-        "register there) instead of the embedded registry",
+        help="read the instances from this `topkv orchestrator` (http://HOST:PORT) or etcd "
+        "registry (etcd://HOST:PORT; TOPKV_ETCD_* credentials), where they register, "
+        "instead of the embedded registry",
     ),
     registry_token_file: Path | None = typer.Option(
         None, help="--registry: the orchestrator's admin token (default: --token-file's)"
@@ -56,8 +57,10 @@ def router_command(
     auth = orchestrator_auth(
         token_file, worker_token_file, insecure=insecure_no_auth, protect_metrics=protect_metrics
     )
-    if registry and not registry.startswith(("http://", "https://")):
-        raise ConfigError(f"--registry {registry!r}: give the orchestrator's http://HOST:PORT")
+    if registry and not registry.startswith(("http://", "https://", "etcd://", "etcds://")):
+        raise ConfigError(
+            f"--registry {registry!r}: give the orchestrator's http://HOST:PORT or etcd://HOST:PORT"
+        )
     registry_token = client_token(registry_token_file or token_file) if registry else None
 
     async def main(stop: asyncio.Event) -> None:

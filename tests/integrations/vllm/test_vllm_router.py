@@ -245,3 +245,32 @@ def test_a_wrong_registry_token_is_named(tmp_path: Path) -> None:
             asyncio.run_coroutine_threadsafe(wrong.aclose(), router.loop).result(10)
         finally:
             router.close()
+
+
+def test_router_reads_its_instances_from_a_real_etcd(tmp_path: Path) -> None:
+    """``--registry etcd://``: the instances hold their own leases in etcd (as a connector
+    with that registry_url does); the front door lists them from there."""
+    from etcd_servers import start_etcd, stop_etcd
+    from topkv.relay.registry import open_registry
+
+    etcd = start_etcd(tmp_path / "etcd", "router")
+    url = f"etcd://127.0.0.1:{etcd.port}"
+    registry = open_registry(url)
+    router = None
+    try:
+        lease = registry.register(_worker("prefill0", "prefill", "hostA"), ttl_s=30)
+        router = RouterThread(ADMIN, WORKER, str(tmp_path), url)
+        assert [w.worker_id for w in router.server.registry.workers()] == ["prefill0"]
+        status, answer = _call(router.url + "/v1/completions", ADMIN, {"prompt": "x"})
+        assert status == 503 and "no decode instance is registered" in json.dumps(answer)
+        lease.deregister()
+        deadline = time.monotonic() + 10
+        while router.server.registry.workers() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        status, answer = _call(router.url + "/v1/completions", ADMIN, {"prompt": "x"})
+        assert status == 503 and "no prefill instance is registered" in json.dumps(answer)
+    finally:
+        if router is not None:
+            router.close()
+        registry.close()
+        stop_etcd(etcd)

@@ -1,4 +1,4 @@
-"""The front door reading its instances from a ``topkv orchestrator``'s registry.
+"""The front door reading its instances from a ``topkv orchestrator``'s registry (or etcd).
 
 With ``topkv router --registry URL`` the vLLM instances register with the orchestrator (its
 ``POST /v1/workers``, worker tokens, leases), so the orchestrator's registry and policies
@@ -19,9 +19,12 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 import aiohttp
 
+from topkv.relay.etcd_access import is_etcd_url
+from topkv.relay.registry import open_registry, redact_registry_url
 from topkv.relay.registry_base import Registration, RegistryError, WatchCallback
 from topkv.relay.workers import RegistryEvent, Role, WorkerInfo
 from topkv.service.api_models import WorkerList
@@ -52,6 +55,8 @@ class OrchestratorRegistry:
         self.url = url.rstrip("/")
         self.poll_s = poll_s
         self.stale_s = stale_s
+        #: How long a worker the front door dropped stays hidden while still listed.
+        self.hide_s = stale_s
         self._clock = clock
         self._headers = auth_headers(token)
         self._workers: dict[str, WorkerInfo] = {}
@@ -93,8 +98,8 @@ class OrchestratorRegistry:
             self._session = aiohttp.ClientSession(timeout=_TIMEOUT)
         return self._session
 
-    async def refresh(self) -> None:
-        """Fetch the orchestrator's workers once (``problem`` says why it failed)."""
+    async def _fetch(self) -> dict[str, WorkerInfo]:
+        """The registered workers by id; raises RegistryError saying what went wrong."""
         try:
             async with self._client().get(self.url + "/v1/workers", headers=self._headers) as r:
                 text = await r.text()
@@ -107,17 +112,25 @@ class OrchestratorRegistry:
                     raise RegistryError(f"GET {self.url}/v1/workers -> {r.status}: {text[:200]}")
             listed = WorkerList.model_validate_json(text)
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            self._failed(f"the registry at {self.url} is unreachable: {exc or type(exc).__name__}")
-            return
-        except (RegistryError, ValueError) as exc:
+            raise RegistryError(
+                f"the registry at {self.url} is unreachable: {exc or type(exc).__name__}"
+            ) from exc
+        except ValueError as exc:
+            raise RegistryError(f"GET {self.url}/v1/workers: not a worker list: {exc}") from exc
+        return {v.worker.worker_id: v.worker for v in listed.workers}
+
+    async def refresh(self) -> None:
+        """Fetch the registry's workers once (``problem`` says why it failed)."""
+        try:
+            fresh = await self._fetch()
+        except RegistryError as exc:
             self._failed(str(exc))
             return
         now = self._clock()
-        fresh = {v.worker.worker_id: v.worker for v in listed.workers}
         # a worker dropped here stays dropped until the orchestrator's list (polled after the
         # DELETE) no longer has it, or its own heartbeat registered it again
         for worker_id, when in list(self._forgotten.items()):
-            if worker_id not in fresh or now - when > self.stale_s:
+            if worker_id not in fresh or now - when > self.hide_s:
                 del self._forgotten[worker_id]
             else:
                 fresh.pop(worker_id)
@@ -156,6 +169,9 @@ class OrchestratorRegistry:
         """Drop ``worker_id`` now and deregister it at the orchestrator (best effort)."""
         self._workers.pop(worker_id, None)
         self._forgotten[worker_id] = self._clock()
+        await self._deregister(worker_id)
+
+    async def _deregister(self, worker_id: str) -> None:
         url = f"{self.url}/v1/workers/{worker_id}"
         try:
             async with self._client().delete(url, headers=self._headers) as answer:
@@ -171,3 +187,39 @@ class OrchestratorRegistry:
                 await self._task
         if self._session is not None:
             await self._session.close()
+
+
+class EtcdReadRegistry(OrchestratorRegistry):
+    """The same, over an etcd registry (``etcd://`` or ``etcds://``, credentials from
+    ``TOPKV_ETCD_*``): the instances hold their own leases there (a connector's
+    ``registry_url`` of the same URL), and the front door lists them every ``poll_s`` (off
+    its event loop). A dead instance is only hidden here until its lease runs out: its
+    lease is its own."""
+
+    def __init__(self, url: str, **kwargs: Any) -> None:
+        super().__init__("http://etcd.invalid", None, **kwargs)
+        self.url = redact_registry_url(url)
+        self.hide_s = 15.0  # past a connector's 6 s lease
+        self._etcd = open_registry(url)
+
+    async def _fetch(self) -> dict[str, WorkerInfo]:
+        try:
+            listed = await asyncio.to_thread(self._etcd.workers)
+        except RegistryError as exc:
+            raise RegistryError(f"the registry at {self.url} is unreachable: {exc}") from exc
+        return {w.worker_id: w for w in listed}
+
+    async def _deregister(self, worker_id: str) -> None:
+        return  # its lease expires on its own
+
+    async def aclose(self) -> None:
+        await super().aclose()
+        await asyncio.to_thread(self._etcd.close)
+
+
+def polled_registry(url: str, token: str | None) -> OrchestratorRegistry:
+    """The front door's view of the registry at ``url``: an orchestrator (``http(s)://``)
+    or etcd (``etcd(s)://``)."""
+    if is_etcd_url(url):
+        return EtcdReadRegistry(url)
+    return OrchestratorRegistry(url, token)

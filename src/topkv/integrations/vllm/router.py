@@ -41,7 +41,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 from topkv.integrations.vllm.picker import NoInstance, Picker, Route, prompt_hashes
-from topkv.integrations.vllm.remote_registry import OrchestratorRegistry
+from topkv.integrations.vllm.remote_registry import OrchestratorRegistry, polled_registry
 from topkv.integrations.vllm.stream import StreamRelay, can_fail_over
 from topkv.relay.registry import MemoryRegistry
 from topkv.relay.workers import WorkerInfo
@@ -408,7 +408,7 @@ def _topkv_params(answer: bytes) -> dict[str, Any] | None:
 class RouterServer:
     """The front door on ``host:port``: with its embedded registry (leases swept here), or
     reading the instances from the orchestrator at ``registry_url`` (with ``registry_token``,
-    one of its admin tokens)."""
+    one of its admin tokens) or from the etcd registry at an ``etcd://`` one."""
 
     def __init__(
         self,
@@ -420,7 +420,7 @@ class RouterServer:
         affinity: bool = True,
     ) -> None:
         self.registry: MemoryRegistry | OrchestratorRegistry = (
-            OrchestratorRegistry(registry_url, registry_token) if registry_url else MemoryRegistry()
+            polled_registry(registry_url, registry_token) if registry_url else MemoryRegistry()
         )
         self.router = Router(self.registry, auth, shm_dir, affinity=affinity)
         self.auth = auth
