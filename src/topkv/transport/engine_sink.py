@@ -11,7 +11,6 @@ import socket
 from dataclasses import dataclass, field
 from typing import Unpack
 
-from topkv import wire
 from topkv.transport import framing
 from topkv.transport.base import (
     LayerTensors,
@@ -20,8 +19,6 @@ from topkv.transport.base import (
     TransportMode,
 )
 from topkv.transport.engine import (
-    KEY_END,
-    KEY_OFFSET,
     Arena,
     SinkEngine,
     control_record,
@@ -104,18 +101,12 @@ class EngineSink(ListeningSink):
 class _SinkSession(ControlSession[EngineSink, _Incoming]):
     """Receiver side of one control connection: layers land in the arena by engine writes."""
 
-    def __init__(self, sink: EngineSink, conn: socket.socket) -> None:
-        super().__init__(sink, conn)
-        self.by_key: dict[bytes, _Incoming] = {}
-
     def end(self) -> None:
         super().end()
         self.fail_open(PeerDied(f"{self.sink._scheme} sender went away"))
 
     def _forget(self, state: _Incoming) -> None:
-        rid = state.descriptor.request_id
-        self.transfers.pop(rid, None)
-        self.by_key.pop(wire.request_key(str(rid)), None)
+        self._drop(state)
         self.sink._arena.free(state.offset, state.descriptor.layout.total_bytes)
 
     def _open(self, message: TransferMessage) -> None:
@@ -130,8 +121,7 @@ class _SinkSession(ControlSession[EngineSink, _Incoming]):
             )
             return
         state = _Incoming(descriptor, offset, self.sink.engine.carve(offset, descriptor))
-        self.transfers[rid] = state
-        self.by_key[wire.request_key(str(rid))] = state
+        self._add(state)
         self.send(
             control_record(
                 framing.ControlKind.USE_SEGMENT,
@@ -142,9 +132,7 @@ class _SinkSession(ControlSession[EngineSink, _Incoming]):
         )
 
     def _layer(self, message: LayerMessage) -> None:
-        state = self.by_key.get(bytes(message.raw[KEY_OFFSET:KEY_END]))
-        if state is None:
-            raise FrameRejected("layer frame for a request that is not open")
+        state = self._open_for(message.raw)
         header = framing.decode_layer_header(message.raw, state.descriptor)
         self._arrive(state, header)
         if state.error is not None:
@@ -187,8 +175,7 @@ class _SinkSession(ControlSession[EngineSink, _Incoming]):
             )
             self._table.fail(rid, error)
             return
-        self.transfers.pop(rid, None)
-        self.by_key.pop(wire.request_key(str(rid)), None)
+        self._drop(state)
         arena, offset, size = self.sink._arena, state.offset, state.descriptor.layout.total_bytes
 
         def release() -> None:

@@ -25,8 +25,10 @@ from abc import ABC, abstractmethod
 from concurrent.futures import Future
 from typing import Generic, Protocol, TypeVar, Unpack
 
+from topkv import wire
 from topkv.transport import framing
 from topkv.transport.base import LayerTensors, ReceivedKV, TransferDescriptor, TransferSink
+from topkv.transport.engine import KEY_END, KEY_OFFSET
 from topkv.transport.errors import (
     ChecksumMismatch,
     FrameRejected,
@@ -173,6 +175,8 @@ class ControlSession(ABC, Generic[SinkT, StateT]):
         self.sink = sink
         self.conn = conn
         self.transfers: dict[int, StateT] = {}
+        #: The same transfers by the request key their layer frames carry.
+        self.by_key: dict[bytes, StateT] = {}
         self.alive = True
         self._label = sink._label
         self._table = sink._table
@@ -218,9 +222,28 @@ class ControlSession(ABC, Generic[SinkT, StateT]):
         """The connection is over: no more replies."""
         self.alive = False
 
+    def _add(self, state: StateT) -> None:
+        """Open ``state`` on this connection (in ``transfers`` and ``by_key``)."""
+        rid = state.descriptor.request_id
+        self.transfers[rid] = state
+        self.by_key[wire.request_key(str(rid))] = state
+
+    def _drop(self, state: StateT) -> None:
+        """Remove ``state`` from this connection's open transfers."""
+        rid = state.descriptor.request_id
+        self.transfers.pop(rid, None)
+        self.by_key.pop(wire.request_key(str(rid)), None)
+
     def _forget(self, state: StateT) -> None:
-        """Drop ``state`` from ``transfers`` and give back what it holds."""
-        self.transfers.pop(state.descriptor.request_id, None)
+        """Drop ``state`` from the open transfers and give back what it holds."""
+        self._drop(state)
+
+    def _open_for(self, raw: bytes) -> StateT:
+        """The open transfer a layer frame belongs to, by the request key it carries."""
+        state = self.by_key.get(bytes(raw[KEY_OFFSET:KEY_END]))
+        if state is None:
+            raise FrameRejected("layer frame for a request that is not open")
+        return state
 
     def _check_open(self, message: TransferMessage) -> int:
         """The request id ``message`` opens; FrameRejected unless it comes on one stream

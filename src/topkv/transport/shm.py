@@ -410,7 +410,7 @@ class _SinkSession(ControlSession[ShmSink, _Incoming]):
                 framing.Control(framing.ControlKind.ACK, rid, status_for(exc), text=str(exc))
             )
             raise FrameRejected(str(exc)) from exc
-        self.transfers[rid] = _Incoming(message.descriptor)
+        self._add(_Incoming(message.descriptor))
 
     def _state(self, rid: int) -> _Incoming:
         state = self.transfers.get(rid)
@@ -435,13 +435,7 @@ class _SinkSession(ControlSession[ShmSink, _Incoming]):
     def _match(self, raw: bytes) -> _Incoming:
         if len(self.transfers) == 1:
             return next(iter(self.transfers.values()))
-        from topkv import wire
-
-        key = bytes(raw[16:32])
-        for state in self.transfers.values():
-            if wire.request_key(str(state.descriptor.request_id)) == key:
-                return state
-        raise FrameRejected("layer frame for a request that is not open")
+        return self._open_for(raw)
 
     def _control(self, control: framing.Control) -> None:
         kind = control.kind
@@ -458,7 +452,9 @@ class _SinkSession(ControlSession[ShmSink, _Incoming]):
         elif kind == framing.ControlKind.DONE:
             self._done(self._state(control.request_id))
         elif kind == framing.ControlKind.CANCEL:
-            if self.transfers.pop(control.request_id, None) is not None:
+            cancelled = self.transfers.get(control.request_id)
+            if cancelled is not None:
+                self._drop(cancelled)
                 self._table.fail(
                     control.request_id, TransferCancelled(f"sender cancelled {control.request_id}")
                 )
@@ -481,7 +477,7 @@ class _SinkSession(ControlSession[ShmSink, _Incoming]):
 
     def _done(self, state: _Incoming) -> None:
         rid = state.descriptor.request_id
-        del self.transfers[rid]
+        self._drop(state)
         self._check_complete(state)
         if state.error is not None:
             self.send_control(
