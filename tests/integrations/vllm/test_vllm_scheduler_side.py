@@ -104,3 +104,32 @@ def test_bad_parameters_are_named(settings: ConnectorSettings, tmp_path: Path) -
     (tmp_path / "short").write_text("short")
     with pytest.raises(ConnectorConfigError, match=">= 16 bytes"):
         ConnectorSettings.from_extra({"secret_file": str(tmp_path / "short")}, "kv_consumer")
+
+
+def test_a_report_request_gets_the_loads_report_and_a_bad_one_an_error(
+    settings: ConnectorSettings,
+) -> None:
+    """What the front door asks for a streamed answer: the load's report, once it finished
+    (while its request still runs, and after it finished)."""
+    side = SchedulerSide(settings, block_size=32, bytes_per_token=PER_TOKEN)
+    load = {"do_remote_prefill": True, "topkv": {"transfer_id": 11, "medium": "tcp"}}
+    request = _request("d", 64, load)
+    side.after_alloc(request, [1, 2], side.num_new_matched_tokens(request, 0)[0])
+
+    def ask(transfer_id: object) -> dict[str, object] | None:
+        query = _request("q", 1, {"topkv": {"report_of": transfer_id}})
+        assert side.num_new_matched_tokens(query, 0) == (0, False)  # it loads nothing
+        delay, params = side.finished(query)
+        assert not delay and params is not None
+        return params["topkv"]  # type: ignore[no-any-return]
+
+    assert ask(11) == {"report_of": 11, "report": None}  # not loaded yet
+    side.loaded({"d"}, invalid_block_ids=set())
+    report = {"transfer_id": 11, "medium": "tcp", "kv_bytes": 64 * PER_TOKEN,
+              "verified": True, "recomputed": False}  # fmt: skip
+    assert ask(11) == {"report_of": 11, "report": report}  # the request still decodes
+    assert side.finished(request) == (False, {"topkv": report})
+    assert ask(11) == {"report_of": 11, "report": report}  # kept after it finished
+    assert ask(12) == {"report_of": 12, "report": None}
+    bad = ask(-3)
+    assert bad is not None and "report_of must be an int >= 0" in str(bad["error"])
