@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import typer
+from rich.markup import escape
 
 from topkv.relay.leader import (
     DEFAULT_LEASE_S,
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
 def leader_elect_option() -> Any:
     return typer.Option(
         None,
-        help=f"campaign for leadership: {LEADER_ELECT_GRAMMAR} (only the leader acts)",
+        help=f"campaign for leadership: {escape(LEADER_ELECT_GRAMMAR)} (only the leader acts)",
     )
 
 
