@@ -237,11 +237,18 @@ def test_a_streamed_answer_reports_the_decodes_verification(stack: Stack) -> Non
 def test_a_repeated_prefix_goes_where_it_is_held(stack: Stack) -> None:
     prefix = _prompt(320, seed=4000)
     first, _, _, _ = stack.stream(prefix + _prompt(40, 4001), 2)
-    second, _, _, _ = stack.stream(prefix + _prompt(40, 4002), 2)
+    prompt = prefix + _prompt(40, 4002)
+    second, ids, chunks, _ = stack.stream(prompt, MAX_TOKENS)
     assert first["X-TopKV-Prefix-Blocks"] == "0,0"
+    assert first["X-TopKV-KV-Bytes-Sent"] == str(360 * BYTES_PER_TOKEN)
     # the 10 whole blocks of the shared prefix: both instances served them a moment ago
     assert second["X-TopKV-Prefix-Blocks"] == "10,10"
     assert second["X-TopKV-Decode"] == first["X-TopKV-Decode"]
+    # the decode holds the prefix: only the 40 other tokens' KV travels, and it is exact
+    assert second["X-TopKV-KV-Bytes-Sent"] == str(40 * BYTES_PER_TOKEN)
+    topkv = chunks[-1]["kv_transfer_params"]["topkv"]
+    assert topkv["verified"] and topkv["kv_bytes"] == 40 * BYTES_PER_TOKEN
+    assert ids == stack.reference(prompt)
 
 
 def _direct(stack: Stack, prompt: list[int], transfer: int, medium: str, **topkv: str) -> Any:

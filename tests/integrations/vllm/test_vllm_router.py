@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from router_thread import RouterThread
 
-from topkv.integrations.vllm.picker import NoInstance, Picker, prompt_hashes
+from topkv.integrations.vllm.picker import NoInstance, Picker, held_tokens, prompt_hashes
 from topkv.integrations.vllm.remote_registry import OrchestratorRegistry
 from topkv.integrations.vllm.stack import StackFiles, start_orchestrator
 from topkv.relay.registry import MemoryRegistry
@@ -274,3 +274,10 @@ def test_router_reads_its_instances_from_a_real_etcd(tmp_path: Path) -> None:
             router.close()
         registry.close()
         stop_etcd(etcd)
+
+
+def test_held_tokens_are_whole_blocks_short_of_the_last_token() -> None:
+    assert held_tokens({"prompt": list(range(360))}, 10) == 320
+    assert held_tokens({"prompt": list(range(320))}, 10) == 288  # vLLM computes the last one
+    assert held_tokens({"prompt": list(range(360))}, 0) == 0
+    assert held_tokens({"prompt": "text"}, 3) == 0  # its tokens are not known here

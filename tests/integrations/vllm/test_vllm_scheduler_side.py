@@ -133,3 +133,22 @@ def test_a_report_request_gets_the_loads_report_and_a_bad_one_an_error(
     assert ask(12) == {"report_of": 12, "report": None}
     bad = ask(-3)
     assert bad is not None and "report_of must be an int >= 0" in str(bad["error"])
+
+
+def test_a_skipped_prefix_is_not_streamed(settings: ConnectorSettings) -> None:
+    """``skip_tokens``: the destination holds them; the last prompt token always travels."""
+    side = SchedulerSide(settings, block_size=32, bytes_per_token=PER_TOKEN)
+    for skip, first in ((64, 64), (500, 99)):
+        part = {"transfer_id": skip, "destination": "tcp://h:1", "skip_tokens": skip}
+        params = {"do_remote_decode": True, "topkv": part}
+        request = _request(f"r{skip}", 100, params)
+        side.after_alloc(request, [0, 1, 2, 3], 0)
+        [save] = side.plan(*_step([(f"r{skip}", 0)], []), {f"r{skip}": 100}, lambda _r: [0]).saves
+        assert (save.first_token, save.num_tokens) == (first, 100)
+        assert side.finished(request)[1] == {
+            "topkv": {"transfer_id": skip, "kv_bytes": (100 - first) * PER_TOKEN}
+        }
+    bad = {"do_remote_decode": True,
+           "topkv": {"transfer_id": 1, "destination": "tcp://h:1", "skip_tokens": -1}}  # fmt: skip
+    with pytest.raises(ConnectorConfigError, match="skip_tokens"):
+        side.after_alloc(_request("x", 10, bad), [0], 0)

@@ -8,7 +8,8 @@ a request's ``kv_transfer_params`` -> :class:`SendParams` (prefill) or :class:`L
 Per-request parameters, as the front door (``topkv router``) sends them::
 
     prefill: {"do_remote_decode": true,
-              "topkv": {"transfer_id": 17, "destination": "shm:///tmp/x.sock"}}
+              "topkv": {"transfer_id": 17, "destination": "shm:///tmp/x.sock",
+                        "skip_tokens": 64}}   (optional: the decode holds tokens 0..63)
     decode:  {"do_remote_prefill": true,
               "topkv": {"transfer_id": 17, "medium": "shm", "timeout_s": 30}}
     report:  {"topkv": {"report_of": 17}}   (a decode's load report, for a streamed answer)
@@ -137,6 +138,9 @@ class SendParams:
     #: Fault injection (tests, chaos): "corrupt" flips one bit of one layer after its CRC-64
     #: was taken, so the destination must catch it. It can only spoil this request's copy.
     fault: str | None = None
+    #: Leading prompt tokens not to send: the destination is believed to hold them (its
+    #: prefix cache). If it does not, its load fails and vLLM recomputes: never wrong.
+    skip_tokens: int = 0
 
     @classmethod
     def of(cls, params: Mapping[str, Any] | None) -> SendParams | None:
@@ -152,7 +156,12 @@ class SendParams:
         fault = part.get("fault")
         if fault not in (None, "corrupt"):
             raise ConnectorConfigError(f"kv_transfer_params.topkv.fault {fault!r}: only 'corrupt'")
-        return cls(part["transfer_id"], destination, fault)
+        skip = part.get("skip_tokens", 0)
+        if isinstance(skip, bool) or not isinstance(skip, int) or skip < 0:
+            raise ConnectorConfigError(
+                f"kv_transfer_params.topkv.skip_tokens must be an int >= 0, got {skip!r}"
+            )
+        return cls(part["transfer_id"], destination, fault, skip)
 
 
 @dataclass(frozen=True)

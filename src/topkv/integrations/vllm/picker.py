@@ -12,7 +12,8 @@ hashes (:func:`prompt_hashes`), the prefill instance is the one that last served
 longest prefix of it (vLLM's prefix cache then computes only the tail), within a load gap
 of the least loaded; the decode instance likewise, among those whose transfer costs the
 same as the routing policy's choice and have a free slot. :meth:`Picker.served` records
-what each instance was sent.
+what each instance was sent. When the decode instance holds a token-id prompt's prefix,
+the prefill instance sends only the rest (:func:`held_tokens`, ``skip_tokens``).
 """
 
 from __future__ import annotations
@@ -53,9 +54,23 @@ class NoInstance(Exception):
 
 #: Text prompts are hashed by their UTF-8 bytes, this many per block (about 32 tokens).
 TEXT_BLOCK_BYTES = 128
+#: Tokens per block of a token-id prompt: the instances' vLLM ``--block-size``.
+BLOCK_TOKENS = 32
 
 
-def prompt_hashes(body: Mapping[str, Any], block_tokens: int = 32) -> tuple[bytes, ...]:
+def held_tokens(body: Mapping[str, Any], blocks: int, block_tokens: int = BLOCK_TOKENS) -> int:
+    """Leading prompt tokens an instance holding ``blocks`` of the prompt's block hashes
+    has cached, as far as the prompt's tokens are known (a token-id prompt; else 0), short
+    of the last token (vLLM always computes it)."""
+    prompt = body.get("prompt")
+    if not blocks or not isinstance(prompt, list) or not prompt:
+        return 0
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return 0
+    return min(blocks * block_tokens, (len(prompt) - 1) // block_tokens * block_tokens)
+
+
+def prompt_hashes(body: Mapping[str, Any], block_tokens: int = BLOCK_TOKENS) -> tuple[bytes, ...]:
     """The request's prefix block hashes: a token-id prompt by ``block_tokens`` tokens, a
     text prompt or chat messages by :data:`TEXT_BLOCK_BYTES` bytes of its UTF-8 text
     (the messages as canonical JSON). Empty when the prompt is not one of those (a batch)."""

@@ -40,7 +40,13 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from topkv.integrations.vllm.picker import NoInstance, Picker, Route, prompt_hashes
+from topkv.integrations.vllm.picker import (
+    NoInstance,
+    Picker,
+    Route,
+    held_tokens,
+    prompt_hashes,
+)
 from topkv.integrations.vllm.remote_registry import OrchestratorRegistry, polled_registry
 from topkv.integrations.vllm.stream import StreamRelay, can_fail_over
 from topkv.relay.registry import MemoryRegistry
@@ -235,14 +241,15 @@ class Router:
     ) -> web.StreamResponse:
         started = time.perf_counter()
         transfer_id = next(self._ids)
+        send: dict[str, Any] = {"transfer_id": transfer_id, "destination": route.destination}
+        skip = held_tokens(body, route.affinity[1])
+        if skip:  # the decode instance holds them: only the rest travels
+            send["skip_tokens"] = skip
         prefill_body = {
             **body,
             "max_tokens": 1,
             "stream": False,
-            "kv_transfer_params": {
-                "do_remote_decode": True,
-                "topkv": {"transfer_id": transfer_id, "destination": route.destination},
-            },
+            "kv_transfer_params": {"do_remote_decode": True, "topkv": send},
         }
         prefill_body.pop("max_completion_tokens", None)
         prefill_body.pop("stream_options", None)

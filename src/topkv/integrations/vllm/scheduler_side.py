@@ -40,7 +40,8 @@ REPORTS_KEPT = 1024
 
 @dataclass(frozen=True)
 class SaveSpec:
-    """Stream tokens ``[0, num_tokens)`` of ``req_id`` (its pages: ``block_ids``)."""
+    """Stream tokens ``[first_token, num_tokens)`` of ``req_id`` (its pages: ``block_ids``;
+    the destination holds the ones before ``first_token``)."""
 
     req_id: str
     transfer_id: int
@@ -48,6 +49,7 @@ class SaveSpec:
     block_ids: tuple[int, ...]
     num_tokens: int
     corrupt: bool = False  # fault injection: flip one bit of one layer after its CRC
+    first_token: int = 0
 
 
 @dataclass(frozen=True)
@@ -146,7 +148,8 @@ class SchedulerSide:
             if computed[req_id] + scheduled[req_id] < prompt:
                 continue  # a chunk of a longer prompt: stream once all of it is computed
             del self._sends[req_id]
-            self._sent[req_id] = (send.transfer_id, prompt)
+            first = min(send.skip_tokens, prompt - 1)  # the last token always travels
+            self._sent[req_id] = (send.transfer_id, prompt - first)
             plan.saves.append(
                 SaveSpec(
                     req_id,
@@ -155,6 +158,7 @@ class SchedulerSide:
                     tuple(blocks(req_id)),
                     prompt,
                     corrupt=send.fault == "corrupt",
+                    first_token=first,
                 )
             )
         return plan

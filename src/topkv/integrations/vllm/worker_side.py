@@ -123,8 +123,9 @@ class WorkerSide:
         for spec in plan.saves:
             send = self._sends.get(spec.req_id)
             if send is None:
+                tokens = spec.num_tokens - spec.first_token
                 layout = KVLayout(
-                    len(self.caches), spec.num_tokens, self.kv_heads, self.head_dim, self.dtype
+                    len(self.caches), tokens, self.kv_heads, self.head_dim, self.dtype
                 )
                 descriptor = TransferDescriptor(spec.transfer_id, self.model_id, layout)
                 try:
@@ -135,7 +136,9 @@ class WorkerSide:
                 send = self._sends[spec.req_id] = _Send(spec, out, time.perf_counter())
             if send.future is not None:
                 continue
-            k, v = gather_tokens(kv_layer, self.layout, spec.block_ids, 0, spec.num_tokens)
+            k, v = gather_tokens(
+                kv_layer, self.layout, spec.block_ids, spec.first_token, spec.num_tokens
+            )
             views = [_byte_view(k.cpu()), _byte_view(v.cpu())]
             send.keep.extend(views)
             try:
@@ -196,16 +199,28 @@ class WorkerSide:
         self._errors.update(spec.block_ids[first:last])
 
     def _fill(self, spec: LoadSpec, kv: ReceivedKV) -> None:
+        """Scatter tokens ``[spec.start, num_tokens)``; the transfer holds the prompt's last
+        ``seq_len`` tokens (all of them, or a tail when the sender skipped a prefix it
+        believed cached here)."""
         layout = kv.descriptor.layout
-        expected = (len(self.caches), spec.num_tokens, self.kv_heads, self.head_dim, self.dtype)
-        got = (layout.num_layers, layout.seq_len, layout.kv_heads, layout.head_dim, layout.dtype)
-        if got != expected:
-            raise TopKVError(f"transfer shape {got} is not this request's {expected}")
+        expected = (len(self.caches), self.kv_heads, self.head_dim, self.dtype)
+        got = (layout.num_layers, layout.kv_heads, layout.head_dim, layout.dtype)
+        if got != expected or not 0 < layout.seq_len <= spec.num_tokens:
+            raise TopKVError(
+                f"transfer shape {(*got, layout.seq_len)} is not this request's "
+                f"{(*expected, spec.num_tokens)}"
+            )
+        offset = spec.num_tokens - layout.seq_len  # the first token the transfer holds
+        if offset > spec.start:
+            raise TopKVError(
+                f"the transfer starts at token {offset} but tokens {spec.start}..{offset - 1} "
+                "are not cached here"
+            )
         dtype = self.caches[0].dtype
-        shape = (spec.num_tokens, self.kv_heads, self.head_dim)
+        shape = (layout.seq_len, self.kv_heads, self.head_dim)
         for cache, (k, v) in zip(self.caches, kv.layers, strict=True):
-            kt = torch.frombuffer(k, dtype=dtype).view(shape)[spec.start :]
-            vt = torch.frombuffer(v, dtype=dtype).view(shape)[spec.start :]
+            kt = torch.frombuffer(k, dtype=dtype).view(shape)[spec.start - offset :]
+            vt = torch.frombuffer(v, dtype=dtype).view(shape)[spec.start - offset :]
             scatter_tokens(cache, self.layout, spec.block_ids, spec.start, kt, vt)
         self.stats["received_bytes"] += layout.total_bytes
 
