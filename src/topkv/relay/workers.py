@@ -47,6 +47,11 @@ class WorkerInfo(BaseModel):
     capacity: int = Field(default=8, ge=0, description="KV caches the worker can hold at once")
     address: str = Field(default="", description="host:port of the worker's transfer endpoint")
     control_url: str = Field(default="", description="HTTP base URL of the worker's control API")
+    sink_addresses: tuple[str, ...] = Field(
+        default=(),
+        description="addresses of the worker's other standing sinks, one per medium, named "
+        "by their scheme (a vLLM decode's nixl://host:port); empty: none",
+    )
     experts: ExpertReport | None = Field(
         default=None, description="an MoE engine's expert statistics, renewed each heartbeat"
     )

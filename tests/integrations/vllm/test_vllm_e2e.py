@@ -298,6 +298,54 @@ def test_a_corrupted_layer_frame_is_caught_and_the_request_still_completes(stack
     assert "load of" in log and ("ChecksumMismatch" in log or "CRC" in log)
 
 
+def test_nixl_forced_per_request_is_token_identical_and_verified(stack: Stack) -> None:
+    """``X-TopKV-Medium: nixl``: the KV moves by NIXL (UCX writes into the decode's
+    registered arena), and the decode loads it from its nixl sink, verified."""
+    from topkv.service.worker_media import why_unavailable
+
+    reason = why_unavailable("nixl")
+    if reason is not None:
+        pytest.skip(f"nixl is not importable here: {reason}")
+    decode = stack.router.server.registry.get("decode0")
+    assert decode is not None and "nixl" in decode.capabilities.media
+    assert any(a.startswith("nixl://") for a in decode.sink_addresses)
+    before = stack.metric("topkv_router_transfers_total", '{medium="nixl"}')
+    lengths = (97, 410, 800)
+    for seed, length in enumerate(lengths):
+        prompt = _prompt(length, seed=6000 + seed)
+        answer = stack.client.completions.create(
+            model="tiny-llama", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+            extra_headers={"X-TopKV-Medium": "nixl"},
+        )  # fmt: skip
+        assert _token_ids(answer.choices[0]) == stack.reference(prompt)
+        topkv = (answer.model_extra or {})["kv_transfer_params"]["topkv"]
+        assert topkv["medium"] == "nixl"
+        assert topkv["verified"] is True and topkv["recomputed"] is False
+        assert topkv["kv_bytes"] == length * BYTES_PER_TOKEN
+    assert stack.metric("topkv_router_transfers_total", '{medium="nixl"}') - before == 3
+    # without the header the policy's same-host choice stands: shm
+    prompt = _prompt(200, seed=6100)
+    plain = stack.client.completions.create(
+        model="tiny-llama", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )  # fmt: skip
+    assert (plain.model_extra or {})["kv_transfer_params"]["topkv"]["medium"] == "shm"
+
+
+def test_an_unknown_forced_medium_is_refused(stack: Stack) -> None:
+    request = urllib.request.Request(
+        stack.router.url + "/v1/completions",
+        json.dumps({"model": "tiny-llama", "prompt": [1, 2, 3], "max_tokens": 1}).encode(),
+        {"Content-Type": "application/json", "Authorization": f"Bearer {stack.admin_token}",
+         "X-TopKV-Medium": "carrier-pigeon"},
+    )  # fmt: skip
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=10)
+    assert refused.value.code == 400
+    assert b"carrier-pigeon" in refused.value.read()
+
+
 def test_a_decode_killed_mid_stream_fails_over_token_identical(stack: Stack) -> None:
     prompt, new_tokens = _prompt(300, seed=5000), 120
     want = stack.reference(prompt, new_tokens)

@@ -109,15 +109,22 @@ class TopKVConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vLLM is untyp
         self.worker.register(kv_caches)
         s = self.settings
         if s.registry_url:
-            sink = self.worker.sinks.get("tcp")
+            media = self.worker.offer.media
+            sinks = self.worker.sinks
+            others = tuple(sink.address for m, sink in sinks.items() if m not in ("tcp", "shm"))
+            tcp = sinks.get("tcp")
             info = WorkerInfo(
                 worker_id=s.worker_id,
                 role=s.role,
                 node=s.host_id,
                 host_id=s.host_id,
-                capabilities=WorkerCapabilities(media=("shm", "tcp")),
-                address=sink.address if sink is not None else "",
+                capabilities=WorkerCapabilities(
+                    tcp="tcp" in media, shm="shm" in media, media=media
+                ),
+                # the tcp sink (else the first other one: the front door needs an address)
+                address=tcp.address if tcp is not None else (others[0] if others else ""),
                 control_url=s.api_url,
+                sink_addresses=others,
             )
             self._registration = BackgroundRegistration(s.registry_url, s.token, info)
 

@@ -27,8 +27,15 @@ from typing import Any, Literal
 from topkv.errors import ConfigError
 from topkv.integrations.vllm.layout import BlockLayout, parse_layout
 
-Medium = Literal["shm", "tcp"]
-MEDIA: tuple[Medium, ...] = ("shm", "tcp")
+Medium = Literal["shm", "tcp", "nixl", "mooncake"]
+#: The media a connector can move KV over (a sink on decode, a source on prefill);
+#: ``nixl`` and ``mooncake`` only where their packages load (``scripts/install-vllm.sh``).
+MEDIA: tuple[Medium, ...] = ("shm", "tcp", "nixl", "mooncake")
+#: The URL scheme of each medium's sink address (a prefill's ``destination``).
+SCHEMES = tuple(f"{m}://" for m in MEDIA)
+#: What UCX (under NIXL) uses unless ``ucx_tls`` or ``$UCX_TLS`` says otherwise: on a host
+#: without an RDMA NIC UCX's defaults fail to connect two agents; tcp, self and sm work.
+DEFAULT_UCX_TLS = "tcp,self,sm"
 #: Environment variable naming the file that holds the transports' shared secret.
 SECRET_FILE_ENV = "TOPKV_KV_SECRET_FILE"
 
@@ -74,6 +81,13 @@ class ConnectorSettings:
     api_url: str  # the instance's OpenAI API, for the front door
     host_id: str
     load_timeout_s: float
+    #: The media this instance may offer (None: every one installed here, as ``topkv
+    #: worker`` offers them). ``kv_connector_extra_config.media``, e.g. ``["tcp", "nixl"]``.
+    media: tuple[str, ...] | None = None
+    #: UCX transports for NIXL's agents (``$UCX_TLS``, else :data:`DEFAULT_UCX_TLS`).
+    ucx_tls: str = DEFAULT_UCX_TLS
+    #: The host arena a decode's NIXL or Mooncake sink registers (bytes).
+    arena_bytes: int = 256 << 20
 
     @classmethod
     def from_extra(cls, config: Mapping[str, Any], kv_role: str) -> ConnectorSettings:
@@ -114,7 +128,30 @@ class ConnectorSettings:
             api_url=_str(config, "api_url"),
             host_id=_str(config, "host_id", socket.gethostname()),
             load_timeout_s=_number(config, "load_timeout_s", 30.0, 0.1),
+            media=_media(config),
+            ucx_tls=_str(config, "ucx_tls", os.environ.get("UCX_TLS") or DEFAULT_UCX_TLS),
+            arena_bytes=int(_number(config, "arena_mb", 256, 1) * (1 << 20)),
         )
+
+
+def _media(config: Mapping[str, Any]) -> tuple[str, ...] | None:
+    """``kv_connector_extra_config.media``: a list of media names (None: not given)."""
+    value = config.get("media")
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = [part.strip() for part in value.split(",") if part.strip()]
+    if not isinstance(value, list) or not value or not all(isinstance(m, str) for m in value):
+        raise ConnectorConfigError(
+            f"kv_connector_extra_config.media must be a non-empty list of {MEDIA}, got {value!r}"
+        )
+    unknown = [m for m in value if m not in MEDIA]
+    if unknown:
+        raise ConnectorConfigError(
+            f"kv_connector_extra_config.media: unknown medium {', '.join(unknown)}; "
+            f"choose from {', '.join(MEDIA)}"
+        )
+    return tuple(m for m in MEDIA if m in value)
 
 
 def _topkv_part(params: Mapping[str, Any] | None, flag: str) -> Mapping[str, Any] | None:
@@ -148,10 +185,10 @@ class SendParams:
         if part is None:
             return None
         destination = part.get("destination")
-        if not isinstance(destination, str) or not destination.startswith(("shm://", "tcp://")):
+        if not isinstance(destination, str) or not destination.startswith(SCHEMES):
             raise ConnectorConfigError(
-                "kv_transfer_params.topkv.destination must be shm://PATH or tcp://HOST:PORT, "
-                f"got {destination!r}"
+                "kv_transfer_params.topkv.destination must be shm://PATH or "
+                f"(tcp|nixl|mooncake)://HOST:PORT, got {destination!r}"
             )
         fault = part.get("fault")
         if fault not in (None, "corrupt"):

@@ -5,7 +5,9 @@ id). Decode: :class:`~topkv.policy.route.RoutingPolicy` over every registered de
 instance (cheapest transfer by :class:`~topkv.policy.select.CostPolicy` on the pair's paths
 from :func:`~topkv.relay.pairs.pair_view_for_workers`, then least loaded, then id); free
 slots are the registration's capacity less the requests in flight. The chosen path class
-becomes a medium: shm when both share a host and the class rides on host memory, tcp else.
+becomes a medium (:func:`.media.pair_medium`): the first of the class's media (an engine
+medium for rdma, shm for a same-host class, tcp) that both registrations offer; a request
+may restrict the media (``media``, the front door's ``X-TopKV-Medium``).
 
 KV already held (:mod:`topkv.policy.prefix_affinity`): given the request's prefix block
 hashes (:func:`prompt_hashes`), the prefill instance is the one that last served the
@@ -24,6 +26,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from topkv.integrations.vllm.media import pair_medium, sink_address
 from topkv.integrations.vllm.params import shm_socket_path
 from topkv.policy.clock import Clock, MonotonicClock
 from topkv.policy.prefix_affinity import AffinityConfig, Candidate, PrefixAffinity, prefix_hashes
@@ -33,14 +36,14 @@ from topkv.policy.view import TransferRequest
 from topkv.relay.pairs import endpoint_of, pair_view_for_workers
 from topkv.relay.registry_base import WorkerRegistry
 from topkv.relay.workers import WorkerInfo
-from topkv.transport.media import real_medium
+from topkv.service.worker_media import check_medium
 
 
 @dataclass(frozen=True)
 class Route:
     prefill: WorkerInfo
     decode: WorkerInfo
-    medium: str  # shm | tcp
+    medium: str  # shm | tcp | nixl | mooncake
     destination: str  # where the prefill instance sends the KV
     path_class: str
     rationale: str
@@ -139,8 +142,14 @@ class Picker:
         return min(decodes, key=lambda w: (self.in_flight[w.worker_id], w.worker_id))
 
     def pick(
-        self, kv_bytes: int, exclude: Collection[str] = (), hashes: Sequence[bytes] = ()
+        self,
+        kv_bytes: int,
+        exclude: Collection[str] = (),
+        hashes: Sequence[bytes] = (),
+        media: Sequence[str] | None = None,
     ) -> Route:
+        """``media``: only these media may carry the KV (None: any both sides offer); a
+        decode instance that none of them reaches from the prefill is not a candidate."""
         prefills = [w for w in self.registry.workers("prefill") if w.worker_id not in exclude]
         if not prefills:
             raise NoInstance("no prefill instance is registered")
@@ -156,6 +165,17 @@ class Picker:
         }
         if not decodes:
             raise NoInstance("no decode instance is registered")
+        if media is not None:
+            reachable = {
+                wid: w
+                for wid, w in decodes.items()
+                if any(check_medium(m, prefill, w) is None for m in media)
+            }
+            if not reachable:
+                raise NoInstance(
+                    f"no registered decode instance is reachable over {', '.join(media)}"
+                )
+            decodes = reachable
         request = TransferRequest(nbytes=max(kv_bytes, 1))
         source = endpoint_of(prefill)
         scores: list[RouteScore] = []
@@ -199,14 +219,16 @@ class Picker:
             decode_matched = held[1]
         decode = decodes[decision.worker_id]
         path = decision.selection.choice
-        same_host = bool(prefill.host_id) and prefill.host_id == decode.host_id
-        medium = real_medium(path) if same_host else "tcp"
-        destination = (
-            "shm://" + shm_socket_path(self.shm_dir, decode.worker_id)
-            if medium == "shm"
-            else decode.address
-        )
+        medium, why = pair_medium(path, prefill, decode, media)
+        if medium is None:
+            raise NoInstance(f"{prefill.worker_id} -> {decode.worker_id}: {why}")
+        if medium == "shm":
+            destination: str | None = "shm://" + shm_socket_path(self.shm_dir, decode.worker_id)
+        else:
+            destination = sink_address(decode, medium)
+        if destination is None:
+            raise NoInstance(f"{decode.worker_id} offers {medium} but lists no {medium} sink")
         return Route(
-            prefill, decode, medium, destination, path, decision.rationale,
+            prefill, decode, medium, destination, path, f"{decision.rationale}; {why}",
             (prefill_matched, decode_matched),
         )  # fmt: skip

@@ -15,7 +15,9 @@ orchestrator's transfer API neither needs nor should carry). Endpoints:
   its last chunk (:mod:`.stream`).
   Every decode answer carries ``X-TopKV-Transfer-Id``, ``-Medium``, ``-KV-Bytes-Sent``
   (what the prefill reported), ``-Prefill`` and ``-Decode`` (the instances): a streamed
-  answer has no ``kv_transfer_params``.
+  answer has no ``kv_transfer_params``. A request's ``X-TopKV-Medium: nixl`` (or a
+  comma-separated list) lets only those media carry its KV; one that no instance pair
+  offers: 503.
 * ``GET /v1/models``: a decode instance's list. ``GET /metrics``: Prometheus text.
 * ``/v1/workers`` (register, heartbeat, deregister): the vLLM instances' registrations,
   with worker tokens, exactly as on ``topkv orchestrator``; or, with ``registry_url``,
@@ -40,6 +42,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
+from topkv.integrations.vllm.params import MEDIA
 from topkv.integrations.vllm.picker import (
     NoInstance,
     Picker,
@@ -209,9 +212,18 @@ class Router:
             return error_response(400, "bad_request", "the body must be a JSON object")
         excluded: set[str] = set()
         hashes = prompt_hashes(body)
+        asked = request.headers.get("X-TopKV-Medium", "")
+        media = [m.strip() for m in asked.split(",") if m.strip()] or None
+        unknown = [m for m in media or () if m not in MEDIA]
+        if unknown:
+            return error_response(
+                400, "bad_request",
+                f"X-TopKV-Medium: unknown medium {', '.join(unknown)}; choose from "
+                f"{', '.join(MEDIA)}",
+            )  # fmt: skip
         for _attempt in range(2):
             try:
-                route = self.picker.pick(_NOMINAL_KV_BYTES, excluded, hashes)
+                route = self.picker.pick(_NOMINAL_KV_BYTES, excluded, hashes, media)
             except NoInstance as exc:
                 self.metrics.requests.labels(path, "unavailable").inc()
                 return error_response(503, "unavailable", self._unavailable(str(exc)))

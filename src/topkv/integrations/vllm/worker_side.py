@@ -3,7 +3,8 @@
 Prefill: ``save_kv_layer`` is called by every attention layer right after it wrote this
 step's KV into the paged cache; each :class:`~.scheduler_side.SaveSpec` of the step gets
 that layer gathered into the wire layout (:mod:`.layout`) and queued on a TopKV transport
-(shm to a sink on this host, tcp elsewhere) at once, so the copy overlaps the remaining
+(the medium the front door picked for the pair: shm to a sink on this host, tcp, or nixl or
+mooncake where installed; :mod:`.media`) at once, so the copy overlaps the remaining
 layers' compute. ``wait_for_save`` ends the step's transfers; a send settles when the
 destination acknowledges a verified copy (every layer's CRC-64 checked) or fails, and only
 then does ``get_finished`` let vLLM free the source blocks.
@@ -30,6 +31,13 @@ import torch
 
 from topkv.errors import TopKVError
 from topkv.integrations.vllm.layout import BlockLayout, gather_tokens, kv_views, scatter_tokens
+from topkv.integrations.vllm.media import (
+    ENGINE_MEDIA,
+    Offer,
+    engine_sink,
+    engine_source,
+    offered_media,
+)
 from topkv.integrations.vllm.params import ConnectorSettings, shm_socket_path
 from topkv.integrations.vllm.scheduler_side import LoadSpec, SaveSpec, StepPlan
 from topkv.transport.base import (
@@ -86,6 +94,7 @@ class WorkerSide:
         self._finished: set[str] = set()
         self._errors: set[int] = set()
         self.stats = {"sent_bytes": 0, "received_bytes": 0, "failed_loads": 0}
+        self.offer: Offer = offered_media(settings)
 
     # -- setup ----------------------------------------------------------------------------
 
@@ -99,17 +108,30 @@ class WorkerSide:
         self.dtype = WIRE_DTYPES[self.caches[0].dtype]
         if self.settings.role == "decode":
             s = self.settings
-            self.sinks["tcp"] = TcpSink(s.secret, s.tcp_host, s.tcp_port)
-            path = shm_socket_path(s.shm_dir, s.worker_id)
-            _remove_stale_socket(path)
-            self.sinks["shm"] = ShmSink(s.secret, path)
+            media = self.offer.media
+            if "tcp" in media:
+                self.sinks["tcp"] = TcpSink(s.secret, s.tcp_host, s.tcp_port)
+            if "shm" in media:
+                path = shm_socket_path(s.shm_dir, s.worker_id)
+                _remove_stale_socket(path)
+                self.sinks["shm"] = ShmSink(s.secret, path)
+            for medium in ENGINE_MEDIA:
+                if medium in media:
+                    self.sinks[medium] = engine_sink(medium, s)
             log.info("topkv: decode sinks %s", [sink.address for sink in self.sinks.values()])
+        if self.offer.unavailable:
+            log.info("topkv: media not offered here: %s", self.offer.unavailable)
 
     def _source(self, spec: SaveSpec) -> TransferSource:
         medium = spec.destination.split(":", 1)[0]
         if medium not in self._sources:
             secret = self.settings.secret
-            self._sources[medium] = ShmSource(secret) if medium == "shm" else TcpSource(secret)
+            if medium == "shm":
+                self._sources[medium] = ShmSource(secret)
+            elif medium == "tcp":
+                self._sources[medium] = TcpSource(secret)
+            else:  # an engine medium: its agent starts on the first send over it
+                self._sources[medium] = engine_source(medium, self.settings)
         if spec.corrupt:  # fault injection, asked for by this request
             return CorruptingSource(self._sources[medium], 1.0, seed=spec.transfer_id)
         return self._sources[medium]
