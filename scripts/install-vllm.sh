@@ -26,6 +26,15 @@ test -x "$venv/bin/python" || "$python" -m venv "$venv"
 # nixl._api from the `nixl` package. Optional: without it the benchmark reports why.
 "$venv/bin/pip" install --quiet --no-deps nixl==1.5.1 nixl-cu12==1.5.1 \
   || echo "install-vllm: NIXL not installed; vllm_pd.py will report nixl as null" >&2
+# Mooncake Transfer Engine (non-CUDA) for TopKVConnector's mooncake medium, as
+# scripts/install-peers.sh installs it into .venv: no deps (aiohttp, msgpack, requests are
+# for its store, not the engine), and it loads only with the Debian libraries libibverbs1,
+# libnl-3-200 and libnl-route-3-200 (install-peers.sh installs them). Optional: without it
+# the connector does not offer mooncake and says why in its log.
+"$venv/bin/pip" install --quiet --no-deps mooncake-transfer-engine-non-cuda==0.3.13.post1 \
+  || echo "install-vllm: Mooncake not installed; the connector will not offer mooncake" >&2
+"$venv/bin/python" -c "import mooncake.engine" 2>/dev/null \
+  || echo "install-vllm: mooncake.engine does not load (run scripts/install-peers.sh mooncake for its Debian libraries)" >&2
 "$venv/bin/python" -c "import vllm, topkv.integrations.vllm.connector" 2>&1 | grep -v Triton || true
 "$venv/bin/python" -c "import topkv.integrations.vllm.connector"
 touch "$stamp"

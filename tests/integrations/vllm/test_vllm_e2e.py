@@ -298,34 +298,40 @@ def test_a_corrupted_layer_frame_is_caught_and_the_request_still_completes(stack
     assert "load of" in log and ("ChecksumMismatch" in log or "CRC" in log)
 
 
-def test_nixl_forced_per_request_is_token_identical_and_verified(stack: Stack) -> None:
-    """``X-TopKV-Medium: nixl``: the KV moves by NIXL (UCX writes into the decode's
-    registered arena), and the decode loads it from its nixl sink, verified."""
+@pytest.mark.parametrize("medium", ["nixl", "mooncake"])
+def test_an_engine_medium_forced_per_request_is_token_identical_and_verified(
+    stack: Stack, medium: str
+) -> None:
+    """``X-TopKV-Medium: nixl`` (or mooncake): the KV moves by that engine (NIXL: UCX
+    writes into the decode's registered arena; Mooncake: its Transfer Engine's), and the
+    decode loads it from its sink of that medium, verified."""
     from topkv.service.worker_media import why_unavailable
 
-    reason = why_unavailable("nixl")
+    reason = why_unavailable(medium)
     if reason is not None:
-        pytest.skip(f"nixl is not importable here: {reason}")
+        pytest.skip(f"{medium} is not importable here: {reason}")
     decode = stack.router.server.registry.get("decode0")
-    assert decode is not None and "nixl" in decode.capabilities.media
-    assert any(a.startswith("nixl://") for a in decode.sink_addresses)
-    before = stack.metric("topkv_router_transfers_total", '{medium="nixl"}')
+    assert decode is not None and medium in decode.capabilities.media
+    assert any(a.startswith(f"{medium}://") for a in decode.sink_addresses)
+    before = stack.metric("topkv_router_transfers_total", f'{{medium="{medium}"}}')
     lengths = (97, 410, 800)
+    base = 6000 if medium == "nixl" else 7000  # fresh prompts: nothing cached anywhere
     for seed, length in enumerate(lengths):
-        prompt = _prompt(length, seed=6000 + seed)
+        prompt = _prompt(length, seed=base + seed)
         answer = stack.client.completions.create(
             model="tiny-llama", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
             extra_body={"ignore_eos": True, "return_token_ids": True},
-            extra_headers={"X-TopKV-Medium": "nixl"},
+            extra_headers={"X-TopKV-Medium": medium},
         )  # fmt: skip
         assert _token_ids(answer.choices[0]) == stack.reference(prompt)
         topkv = (answer.model_extra or {})["kv_transfer_params"]["topkv"]
-        assert topkv["medium"] == "nixl"
+        assert topkv["medium"] == medium
         assert topkv["verified"] is True and topkv["recomputed"] is False
         assert topkv["kv_bytes"] == length * BYTES_PER_TOKEN
-    assert stack.metric("topkv_router_transfers_total", '{medium="nixl"}') - before == 3
+    after = stack.metric("topkv_router_transfers_total", f'{{medium="{medium}"}}')
+    assert after - before == 3
     # without the header the policy's same-host choice stands: shm
-    prompt = _prompt(200, seed=6100)
+    prompt = _prompt(200, seed=base + 100)
     plain = stack.client.completions.create(
         model="tiny-llama", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
         extra_body={"ignore_eos": True, "return_token_ids": True},

@@ -33,8 +33,8 @@ Medium = Literal["shm", "tcp", "nixl", "mooncake"]
 MEDIA: tuple[Medium, ...] = ("shm", "tcp", "nixl", "mooncake")
 #: The URL scheme of each medium's sink address (a prefill's ``destination``).
 SCHEMES = tuple(f"{m}://" for m in MEDIA)
-#: What UCX (under NIXL) uses unless ``ucx_tls`` or ``$UCX_TLS`` says otherwise: on a host
-#: without an RDMA NIC UCX's defaults fail to connect two agents; tcp, self and sm work.
+#: What UCX (under NIXL) uses unless ``ucx_tls`` or ``$UCX_TLS`` says otherwise: the setting
+#: vLLM's own NixlConnector was run with on this CPU host (issue 14's notes).
 DEFAULT_UCX_TLS = "tcp,self,sm"
 #: Environment variable naming the file that holds the transports' shared secret.
 SECRET_FILE_ENV = "TOPKV_KV_SECRET_FILE"
