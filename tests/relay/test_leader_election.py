@@ -13,7 +13,7 @@ import pytest
 
 from topkv.errors import ConfigError
 from topkv.relay.etcd_access import parse_etcd_url
-from topkv.relay.leader import Candidate, ElectionTiming, parse_leader_elect
+from topkv.relay.leader import Candidate, ElectionTiming, LeaderRecord, parse_leader_elect
 from topkv.relay.leader_etcd import EtcdLeaderBackend
 from topkv.relay.leader_loop import LeaderElection
 
@@ -132,3 +132,51 @@ def test_leader_election_needs_a_shared_registry() -> None:
     with pytest.raises(ConfigError, match="--leader-elect needs a registry the orchestrators"):
         OrchestratorServiceConfig(auth=None, leader_elect=elect)
     backend.close()
+
+
+class _ScriptedBackend:
+    """A lock whose answers are given in advance: the loop's reaction to each is the test."""
+
+    def __init__(self, records: list[LeaderRecord]) -> None:
+        self.records = records
+
+    def describe(self) -> str:
+        return "scripted"
+
+    def try_acquire_or_renew(self, candidate: Candidate) -> LeaderRecord:
+        return self.records.pop(0)
+
+    def release(self, candidate: Candidate) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_new_epoch_while_still_acting_is_announced() -> None:
+    """The key ran out between two renewals (a stalled host) and the same candidate took
+    the lock again: it never stopped acting, but its epoch changed, and whoever fences with
+    the epoch (the executor) must hear of the new one. Seen live: a re-elected orchestrator
+    kept sending its old epoch to the workers."""
+    changes: list[tuple[bool, int]] = []
+    backend = _ScriptedBackend(
+        [
+            LeaderRecord("a", "http://a", 64),
+            LeaderRecord("a", "http://a", 64),
+            LeaderRecord("a", "http://a", 66),
+            LeaderRecord("b", "http://b", 67),
+        ]
+    )
+    election = LeaderElection(
+        backend,
+        Candidate("a", "http://a"),
+        ElectionTiming.for_lease(LEASE_S),
+        on_change=lambda acting, record: changes.append((acting, record.epoch)),
+    )
+
+    async def main() -> None:
+        for _ in range(4):
+            await election.try_once()
+
+    asyncio.run(main())
+    assert changes == [(True, 64), (True, 66), (False, 67)]

@@ -104,12 +104,18 @@ class LeaderElection:
                 self._set_leading(False)
             return False
         self.failures = 0
+        epoch_before = self._record.epoch
         self._record = record
         held = record.holder == self.candidate.identity
         if held:
             self._valid_until = started + self.timing.renew_deadline_s
         if held != self._leading:
             self._set_leading(held)
+        elif held and record.epoch != epoch_before:
+            # Still acting, yet the claim is a new one: the key ran out between two renewals
+            # (a stalled host) and this candidate took the lock again under a new epoch. The
+            # executor must fence with the new epoch, so this is a change too.
+            self._set_leading(True)
         return held
 
     async def _run(self) -> None:
