@@ -18,6 +18,8 @@ request's ``X-TopKV-Medium``) keeps only those media, the policy's order first.
 
 from __future__ import annotations
 
+import ipaddress
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -58,10 +60,21 @@ def offered_media(settings: ConnectorSettings) -> Offer:
     return Offer(tuple(offered), unavailable)
 
 
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 def engine_options(medium: str, settings: ConnectorSettings, sink: bool) -> dict[str, object]:
     options: dict[str, object] = {}
     if medium == "nixl":
         options["ucx_tls"] = settings.ucx_tls
+        if _is_loopback(settings.tcp_host):
+            # An instance told to serve on loopback keeps UCX there too: UCX's tcp transport
+            # otherwise listens on every interface. An explicit UCX_NET_DEVICES wins.
+            os.environ.setdefault("UCX_NET_DEVICES", "lo")
     if sink or medium == "mooncake":
         options["host"] = settings.tcp_host
     if sink:
