@@ -64,7 +64,67 @@ def mbind(buffer: mmap.mmap, node: int) -> str:
     return f"numa node {node} (mbind)"
 
 
-class Arena:
+class BlockAccounting:
+    """Blocks of ``unit``-rounded sizes over ``capacity`` bytes, first fit (the engine
+    media's allocator), and the bytes handed out: the host arena and the device tier's torch
+    arena both count through it. ``full`` is the error a request that finds no free run
+    raises, ``what`` names the arena in it."""
+
+    full: type[ServiceError] = ArenaFull
+    what = "arena"
+
+    def __init__(self, capacity: int, unit: int) -> None:
+        self.capacity = capacity
+        self._unit = unit
+        self._offsets = OffsetArena(capacity)
+        self._lock = threading.Lock()
+        self.used = 0
+
+    @property
+    def free(self) -> int:
+        return self.capacity - self.used
+
+    def allocate(self, nbytes: int) -> tuple[int, int]:
+        """``(offset, size)`` of a free block of at least ``nbytes``; raises ``full``."""
+        size = -(-max(nbytes, 1) // self._unit) * self._unit
+        try:
+            offset = self._offsets.allocate(size, timeout=0.0)
+        except (ResourceExhausted, FrameRejected):
+            raise self.full(
+                f"{self.what} of {self.capacity:,} bytes has no free run of {size:,} "
+                f"({self.free:,} free)"
+            ) from None
+        with self._lock:
+            self.used += size
+        return offset, size
+
+    def release(self, block: tuple[int, int]) -> None:
+        self._offsets.free(*block)
+        with self._lock:
+            self.used -= block[1]
+
+
+class HeldBlocks:
+    """Which request's copy sits in which arena block (``(block, nbytes)`` by request), for
+    the stores that keep copies in an arena (host tier and device tier)."""
+
+    def __init__(self, arena: BlockAccounting) -> None:
+        self._arena = arena
+        self._blocks: dict[int, tuple[tuple[int, int], int]] = {}
+        self._lock = threading.Lock()
+
+    def holds(self, key: int) -> bool:
+        with self._lock:
+            return key in self._blocks
+
+    def drop(self, key: int) -> None:
+        with self._lock:
+            found = self._blocks.pop(key, None)
+        if found is not None:
+            self._arena.release(found[0])
+
+
+class Arena(BlockAccounting):
     """``capacity`` bytes of pre-faulted memory, handed out in page-rounded blocks."""
 
     def __init__(self, capacity: int, numa_node: int | None = None) -> None:
@@ -78,28 +138,7 @@ class Arena:
         self.view = memoryview(self.buffer)
         for offset in range(0, self.capacity, PAGE):  # fault every page in now
             self.buffer[offset] = 0
-        self._offsets = OffsetArena(self.capacity)  # the engine media's first-fit allocator
-        self._lock = threading.Lock()
-        self.used = 0
-
-    def allocate(self, nbytes: int) -> tuple[int, int]:
-        """``(offset, size)`` of a free block of at least ``nbytes``; raises :class:`ArenaFull`."""
-        size = _round_up(max(nbytes, 1))
-        try:
-            offset = self._offsets.allocate(size, timeout=0.0)
-        except (ResourceExhausted, FrameRejected):
-            raise ArenaFull(
-                f"arena of {self.capacity:,} bytes has no free run of {size:,} "
-                f"({self.capacity - self.used:,} free)"
-            ) from None
-        with self._lock:
-            self.used += size
-        return offset, size
-
-    def release(self, block: tuple[int, int]) -> None:
-        self._offsets.free(*block)
-        with self._lock:
-            self.used -= block[1]
+        BlockAccounting.__init__(self, self.capacity, PAGE)
 
     def block_view(self, block: tuple[int, int], nbytes: int) -> memoryview:
         return self.view[block[0] : block[0] + nbytes]

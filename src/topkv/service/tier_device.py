@@ -22,13 +22,13 @@ themselves), every tensor's CRC-64 checked on the way, like the disk tier's read
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from topkv.errors import ConfigError
 from topkv.policy.tiers import PAPER_TIERS, TierSpec
 from topkv.service.kvstore import HeldKV
+from topkv.service.tier_arena import HeldBlocks
 from topkv.service.tier_stores import TierFull, TierKVLost
 from topkv.service.tier_torch_arena import (
     CorruptCopy,
@@ -129,7 +129,7 @@ class HostStandIn:
         return None
 
 
-class TorchDeviceTier:
+class TorchDeviceTier(HeldBlocks):
     """Device-resident KV in one :class:`TorchArena` (GPU memory on a CUDA device)."""
 
     def __init__(self, arena: TorchArena, device_capacity: int, why: str = "") -> None:
@@ -148,8 +148,7 @@ class TorchDeviceTier:
             backing=f"{where}, one {arena.capacity:,}-byte torch.uint8 arena"
             f"{' (pinned staging)' if arena.pinned else ''}, {device_capacity} KV caches",
         )
-        self._blocks: dict[int, tuple[tuple[int, int], int]] = {}
-        self._lock = threading.Lock()
+        HeldBlocks.__init__(self, arena)
 
     @property
     def stand_in(self) -> bool:
@@ -208,16 +207,6 @@ class TorchDeviceTier:
                 f"{exc}; recompute"
             ) from None
         return [tuple(views[i * per : (i + 1) * per]) for i in range(layout.num_layers)]
-
-    def holds(self, key: int) -> bool:
-        with self._lock:
-            return key in self._blocks
-
-    def drop(self, key: int) -> None:
-        with self._lock:
-            found = self._blocks.pop(key, None)
-        if found is not None:
-            self.arena.release(found[0])
 
     # -- residency of a HeldKV (what TieredKV calls) -------------------------------------------
 

@@ -33,7 +33,7 @@ from pathlib import Path
 from topkv.policy.tiers import TierSpec
 from topkv.service.errors import ServiceError
 from topkv.service.kvstore import HeldKV, PrefillFailed
-from topkv.service.tier_arena import PAGE, Arena, ArenaFull
+from topkv.service.tier_arena import PAGE, Arena, ArenaFull, HeldBlocks
 from topkv.transport.base import KVLayout, LayerTensors
 from topkv.transport.emulated import LinkSlots
 from topkv.wire.errors import WireError
@@ -74,15 +74,14 @@ class _Pacer:
             time.sleep(delay)
 
 
-class MemoryTierStore:
+class MemoryTierStore(HeldBlocks):
     """KV copies in one bounded arena (host DRAM, a CXL node, or emulated CXL)."""
 
     def __init__(self, spec: TierSpec, arena: Arena, *, dilation: float = 1.0) -> None:
         self.spec = spec
         self.arena = arena
         self._pacer = _Pacer(spec, dilation) if spec.emulated else None
-        self._blocks: dict[int, tuple[tuple[int, int], int]] = {}
-        self._lock = threading.Lock()
+        HeldBlocks.__init__(self, arena)
 
     @property
     def used_bytes(self) -> int:
@@ -132,16 +131,6 @@ class MemoryTierStore:
         if self._pacer is not None:
             self._pacer.pace(started, nbytes)
         return _split(dst, layout)
-
-    def drop(self, key: int) -> None:
-        with self._lock:
-            found = self._blocks.pop(key, None)
-        if found is not None:
-            self.arena.release(found[0])
-
-    def holds(self, key: int) -> bool:
-        with self._lock:
-            return key in self._blocks
 
     def close(self) -> None:
         with self._lock:

@@ -32,9 +32,8 @@ import numpy as np
 
 from topkv.errors import ConfigError
 from topkv.service.errors import ServiceError
+from topkv.service.tier_arena import BlockAccounting
 from topkv.transport.engine import ARENA_ALIGN
-from topkv.transport.engine import Arena as OffsetArena
-from topkv.transport.errors import FrameRejected, ResourceExhausted
 from topkv.wire import crc64
 
 if TYPE_CHECKING:
@@ -97,9 +96,12 @@ def device_name(device: torch.device) -> str:
     return str(device)
 
 
-class TorchArena:
+class TorchArena(BlockAccounting):
     """``capacity`` bytes in one ``torch.uint8`` tensor on ``device``, handed out in
     4 KiB-rounded blocks; ``free_bytes`` overrides what the device reports free (tests)."""
+
+    full = TorchArenaFull
+    what = "device arena"
 
     def __init__(
         self,
@@ -137,34 +139,8 @@ class TorchArena:
         self._events: list[torch.cuda.Event | None] = [None, None]
         if self.cuda:
             torch.cuda.synchronize(self.device)  # the zeroing is done before any copy
-        self._offsets = OffsetArena(self.capacity)
+        BlockAccounting.__init__(self, self.capacity, ARENA_ALIGN)
         self._copy = threading.Lock()  # one copy at a time through the staging buffers
-        self._lock = threading.Lock()
-        self.used = 0
-
-    @property
-    def free(self) -> int:
-        return self.capacity - self.used
-
-    def allocate(self, nbytes: int) -> tuple[int, int]:
-        """``(offset, size)`` of a free block of at least ``nbytes``; raises
-        :class:`TorchArenaFull`."""
-        size = _round_up(max(nbytes, 1))
-        try:
-            offset = self._offsets.allocate(size, timeout=0.0)
-        except (ResourceExhausted, FrameRejected):
-            raise TorchArenaFull(
-                f"device arena of {self.capacity:,} bytes has no free run of {size:,} "
-                f"({self.free:,} free)"
-            ) from None
-        with self._lock:
-            self.used += size
-        return offset, size
-
-    def release(self, block: tuple[int, int]) -> None:
-        self._offsets.free(*block)
-        with self._lock:
-            self.used -= block[1]
 
     def _check(self, block: tuple[int, int], nbytes: int) -> None:
         offset, size = block
