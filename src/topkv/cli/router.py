@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
@@ -17,8 +18,12 @@ from topkv.cli.auth_options import (
     orchestrator_auth,
     token_file_option,
 )
-from topkv.cli.services import _logging, _until_signalled
+from topkv.cli.services import _adp_config, _logging, _until_signalled
 from topkv.errors import ConfigError
+from topkv.service.auth import read_token_lines
+
+if TYPE_CHECKING:
+    from topkv.integrations.vllm.pools import AdpOptions
 
 
 def router_command(
@@ -48,6 +53,20 @@ def router_command(
     affinity: bool = typer.Option(
         True, help="prefer the instances that last served the request's prefix"
     ),
+    adp: str = typer.Option(
+        "off",
+        help="on: the Adaptive Decoder Pool moves the --kv-both instances between the "
+        "prefill and decode pools in a rush (docs/vllm.md; GET /v1/adp)",
+    ),
+    kv_both: list[str] = typer.Option(
+        [], help="--adp on: the id of an instance started kv_both (repeat for each)"
+    ),
+    adp_worker_token_file: Path | None = typer.Option(
+        None,
+        help="--adp on with --registry: the worker token the instances registered with "
+        "(their records are rewritten with it; default: --worker-token-file's first)",
+    ),
+    adp_ttft_target_s: float = typer.Option(2.0, help="--adp on: the TTFT target (s)"),
 ) -> None:
     """Serve /v1/completions, /v1/chat/completions, /v1/models and /metrics over the
     registered vLLM prefill and decode instances; Ctrl-C stops it."""
@@ -62,11 +81,14 @@ def router_command(
             f"--registry {registry!r}: give the orchestrator's http://HOST:PORT or etcd://HOST:PORT"
         )
     registry_token = client_token(registry_token_file or token_file) if registry else None
+    worker_file = adp_worker_token_file or worker_token_file
+    worker_token = read_token_lines(worker_file)[0] if worker_file else None
+    adp_options = _adp_options(adp, kv_both, worker_token, adp_ttft_target_s)
 
     async def main(stop: asyncio.Event) -> None:
         server = RouterServer(
             auth, str(shm_dir), registry_url=registry, registry_token=registry_token,
-            affinity=affinity,
+            affinity=affinity, adp=adp_options,
         )  # fmt: skip
         url = await server.serve(host, port)
         typer.echo(f"topkv router on {url} (OpenAI API at {url}/v1)", err=True)
@@ -78,6 +100,27 @@ def router_command(
     asyncio.run(_until_signalled(main))
 
 
+def _adp_options(
+    value: str, kv_both: list[str], worker_token: str | None, ttft_target_s: float = 2.0
+) -> AdpOptions | None:
+    """``--adp``: None (off) or the front door's ADP over the ``kv_both`` instances."""
+    from dataclasses import replace
+
+    from topkv.integrations.vllm.pools import AdpOptions
+
+    config = _adp_config(value)
+    if config is None:
+        return None
+    if len(kv_both) < 2:
+        raise ConfigError(
+            "--adp on needs at least 2 kv_both instances (--kv-both ID, or vllm up --both 2): "
+            "the policy never moves the last one"
+        )
+    return AdpOptions(
+        frozenset(kv_both), replace(config, ttft_target_s=ttft_target_s), worker_token
+    )
+
+
 def _vllm_python() -> str:
     """The interpreter that has vLLM: ``.venv-vllm`` (scripts/install-vllm.sh) when present."""
     local = Path(".venv-vllm/bin/python")
@@ -87,7 +130,10 @@ def _vllm_python() -> str:
 def vllm_up_command(
     model: Path = typer.Option(..., help="model directory (`topkv vllm model DIR` writes one)"),
     prefill: int = typer.Option(1, min=1, help="prefill instances"),
-    decode: int = typer.Option(1, min=1, help="decode instances"),
+    decode: int = typer.Option(1, min=0, help="decode instances"),
+    both: int = typer.Option(
+        0, min=0, help="instances started kv_both (both0..): decode, moved to prefill by --adp"
+    ),
     port: int = typer.Option(8000, help="the front door's port (0 picks a free one)"),
     run_dir: Path = typer.Option(Path("topkv-vllm-run"), help="tokens, secret, logs"),
     python: str = typer.Option("", help="interpreter with vLLM (default: .venv-vllm's)"),
@@ -95,9 +141,13 @@ def vllm_up_command(
     affinity: bool = typer.Option(
         True, help="prefer the instances that last served the request's prefix"
     ),
+    adp: str = typer.Option(
+        "off",
+        help="on: the Adaptive Decoder Pool moves the --both instances between the pools",
+    ),
 ) -> None:
     """Start a topkv orchestrator (the registry), the front door and N prefill + M decode
-    vLLM instances with TopKVConnector; print the URL; Ctrl-C stops them all."""
+    (+ K kv_both) vLLM instances with TopKVConnector; print the URL; Ctrl-C stops them all."""
     from topkv.integrations.vllm.router import RouterServer
     from topkv.integrations.vllm.stack import (
         StackFiles,
@@ -110,8 +160,11 @@ def vllm_up_command(
 
     if not (model / "config.json").is_file():
         raise ConfigError(f"{model}: no config.json (`topkv vllm model {model}` writes one)")
+    if decode + both < 1:
+        raise ConfigError("--decode or --both: at least one instance must decode")
     _logging("warning")
     files = StackFiles.create(run_dir)
+    adp_options = _adp_options(adp, [f"both{i}" for i in range(both)], files.worker_token)
     auth = ServerAuth(Credentials.of(admin=[files.admin_token], worker=[files.worker_token]))
 
     async def main(stop: asyncio.Event) -> None:
@@ -121,12 +174,12 @@ def vllm_up_command(
             )
             server = RouterServer(
                 auth, str(run_dir), registry_url=registry, registry_token=files.admin_token,
-                affinity=affinity,
+                affinity=affinity, adp=adp_options,
             )  # fmt: skip
             url = await server.serve("127.0.0.1", port)
             instances = start_pd_instances(
                 supervisor, model.absolute(), files, registry,
-                prefill=prefill, decode=decode, python=python or _vllm_python(),
+                prefill=prefill, decode=decode, both=both, python=python or _vllm_python(),
             )  # fmt: skip
             waiting = asyncio.create_task(asyncio.to_thread(wait_up, instances, server.registry))
             stopped = asyncio.create_task(stop.wait())
@@ -134,7 +187,8 @@ def vllm_up_command(
             if waiting.done():
                 waiting.result()  # raises what went wrong
                 typer.echo(
-                    f"topkv vllm: {url}/v1 ({prefill} prefill, {decode} decode; orchestrator "
+                    f"topkv vllm: {url}/v1 ({prefill} prefill, {decode} decode, {both} kv_both; "
+                    f"adp {adp}; orchestrator "
                     f"{registry}; api_key in {files.admin_file}; logs in {run_dir / 'logs'}); "
                     "Ctrl-C stops",
                     err=True,

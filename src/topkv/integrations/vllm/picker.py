@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +35,7 @@ from topkv.policy.select import CostPolicy
 from topkv.policy.view import TransferRequest
 from topkv.relay.pairs import endpoint_of, pair_view_for_workers
 from topkv.relay.registry_base import WorkerRegistry
-from topkv.relay.workers import WorkerInfo
+from topkv.relay.workers import Role, WorkerInfo
 from topkv.service.worker_media import check_medium
 
 
@@ -104,8 +104,12 @@ class Picker:
         affinity: bool = True,
         clock: Clock | None = None,
         affinity_config: AffinityConfig | None = None,
+        pools: Callable[[Role], list[WorkerInfo]] | None = None,
     ) -> None:
+        """``pools``: the instances that take new work of a role now (the front door's
+        ADP, :meth:`.pools.FrontDoorADP.workers`); None: the registry's roles."""
         self.registry = registry
+        self.pools = pools
         self.shm_dir = shm_dir
         self.in_flight: Counter[str] = Counter()
         self._routing = RoutingPolicy()
@@ -133,10 +137,13 @@ class Picker:
         choice = self.affinity.choose(candidates, hashes)
         return None if choice is None else (choice.instance_id, choice.matched_blocks)
 
+    def _workers(self, role: Role) -> list[WorkerInfo]:
+        return self.pools(role) if self.pools is not None else self.registry.workers(role)
+
     def fallback_decode(self, exclude: Collection[str]) -> WorkerInfo | None:
         """A decode instance to continue a broken stream on (no KV moves): the least
         loaded registered one not in ``exclude`` (None: none left)."""
-        decodes = [w for w in self.registry.workers("decode") if w.worker_id not in exclude]
+        decodes = [w for w in self._workers("decode") if w.worker_id not in exclude]
         if not decodes:
             return None
         return min(decodes, key=lambda w: (self.in_flight[w.worker_id], w.worker_id))
@@ -150,7 +157,7 @@ class Picker:
     ) -> Route:
         """``media``: only these media may carry the KV (None: any both sides offer); a
         decode instance that none of them reaches from the prefill is not a candidate."""
-        prefills = [w for w in self.registry.workers("prefill") if w.worker_id not in exclude]
+        prefills = [w for w in self._workers("prefill") if w.worker_id not in exclude]
         if not prefills:
             raise NoInstance("no prefill instance is registered")
         prefill = min(prefills, key=lambda w: (self.in_flight[w.worker_id], w.worker_id))
@@ -160,7 +167,7 @@ class Picker:
         prefill_matched = held[1] if held is not None else 0
         decodes = {
             w.worker_id: w
-            for w in self.registry.workers("decode")
+            for w in self._workers("decode")
             if w.worker_id not in exclude and w.address
         }
         if not decodes:

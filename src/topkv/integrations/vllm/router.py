@@ -50,10 +50,12 @@ from topkv.integrations.vllm.picker import (
     held_tokens,
     prompt_hashes,
 )
+from topkv.integrations.vllm.pools import AdpOptions, FrontDoorADP, Ticket, front_door_adp
 from topkv.integrations.vllm.remote_registry import OrchestratorRegistry, polled_registry
 from topkv.integrations.vllm.stream import StreamRelay, can_fail_over
 from topkv.relay.registry import MemoryRegistry
 from topkv.relay.workers import WorkerInfo
+from topkv.service.adp_service import AdpState
 from topkv.service.auth import Access, ServerAuth, secured_app
 from topkv.service.auth import Route as ApiRoute
 from topkv.service.httputil import site_url
@@ -114,14 +116,22 @@ class Router:
         shm_dir: str,
         *,
         affinity: bool = True,
+        adp: AdpOptions | None = None,
     ) -> None:
         self.registry = registry
         self.auth = auth
         self.remote = registry if isinstance(registry, OrchestratorRegistry) else None
         embedded = registry if isinstance(registry, MemoryRegistry) else MemoryRegistry()
         self.registrations = Registrations(embedded)
-        self.picker = Picker(registry, shm_dir, affinity=affinity)
         self.metrics = _Metrics()
+        #: ``kv_both`` instances move between the pools (:mod:`.pools`); None: off.
+        self.adp: FrontDoorADP | None = (
+            front_door_adp(adp, registry, self.registrations, self.metrics.registry)
+            if adp is not None
+            else None
+        )
+        pools = self.adp.workers if self.adp is not None else None
+        self.picker = Picker(registry, shm_dir, affinity=affinity, pools=pools)
         self._ids = itertools.count(int(time.time() * 1000) % (1 << 40))
         self._session: aiohttp.ClientSession | None = None
 
@@ -132,6 +142,7 @@ class Router:
             ApiRoute("GET", "/v1/models", self.models, Access.ADMIN),
             ApiRoute("GET", "/metrics", self.prometheus, Access.METRICS),
             ApiRoute("GET", "/healthz", self.healthz, Access.PUBLIC),
+            ApiRoute("GET", "/v1/adp", self.adp_state, Access.ADMIN),
             *(self.registrations.routes() if self.remote is None else self._elsewhere()),
         ]
 
@@ -182,6 +193,12 @@ class Router:
         body = generate_latest(self.metrics.registry)
         return web.Response(body=body, content_type="text/plain", charset="utf-8")
 
+    async def adp_state(self, request: web.Request) -> web.Response:
+        """The ADP's rush, stages and moves (the orchestrator's ``GET /v1/adp`` shape)."""
+        state = self.adp.state() if self.adp is not None else AdpState(enabled=False)
+        body = state.model_dump_json(by_alias=True)
+        return web.Response(body=body, content_type="application/json")
+
     async def models(self, request: web.Request) -> web.Response:
         decodes = self.registry.workers("decode")
         if not decodes:
@@ -221,19 +238,23 @@ class Router:
                 f"X-TopKV-Medium: unknown medium {', '.join(unknown)}; choose from "
                 f"{', '.join(MEDIA)}",
             )  # fmt: skip
-        for _attempt in range(2):
-            try:
-                route = self.picker.pick(_NOMINAL_KV_BYTES, excluded, hashes, media)
-            except NoInstance as exc:
-                self.metrics.requests.labels(path, "unavailable").inc()
-                return error_response(503, "unavailable", self._unavailable(str(exc)))
-            try:
-                return await self._run(request, path, body, route, hashes)
-            except UpstreamError as exc:
-                failed = str(exc.args[1]) if len(exc.args) > 1 else route.decode.worker_id
-                log.warning("router: %s; dropping %s and trying again", exc.args[0], failed)
-                await self.forget(failed)
-                excluded.add(failed)
+        ticket = self.adp.admit(body) if self.adp is not None else Ticket(None)
+        try:
+            for _attempt in range(2):
+                try:
+                    route = self.picker.pick(_NOMINAL_KV_BYTES, excluded, hashes, media)
+                except NoInstance as exc:
+                    self.metrics.requests.labels(path, "unavailable").inc()
+                    return error_response(503, "unavailable", self._unavailable(str(exc)))
+                try:
+                    return await self._run(request, path, body, route, hashes, ticket)
+                except UpstreamError as exc:
+                    failed = str(exc.args[1]) if len(exc.args) > 1 else route.decode.worker_id
+                    log.warning("router: %s; dropping %s and trying again", exc.args[0], failed)
+                    await self.forget(failed)
+                    excluded.add(failed)
+        finally:
+            ticket.close()
         self.metrics.requests.labels(path, "upstream_failed").inc()
         return error_response(502, "upstream", "the chosen instances failed twice")
 
@@ -250,7 +271,9 @@ class Router:
         body: dict[str, Any],
         route: Route,
         hashes: tuple[bytes, ...] = (),
+        ticket: Ticket | None = None,
     ) -> web.StreamResponse:
+        ticket = ticket or Ticket(None)
         started = time.perf_counter()
         transfer_id = next(self._ids)
         send: dict[str, Any] = {"transfer_id": transfer_id, "destination": route.destination}
@@ -267,10 +290,12 @@ class Router:
         prefill_body.pop("stream_options", None)
         ids = (route.prefill.worker_id, route.decode.worker_id)
         self.picker.in_flight.update(ids)
+        ticket.routed(*ids)
         try:
             prefill = await self._post(ids[0], route.prefill.control_url + path, prefill_body)
             async with prefill:
                 answer = await prefill.read()
+                ticket.prefilled()
                 if prefill.status != 200:
                     self.metrics.requests.labels(path, f"prefill_{prefill.status}").inc()
                     return web.Response(
@@ -308,6 +333,7 @@ class Router:
             if not streamed or decode.status != 200:
                 async with decode:
                     self.metrics.ttft.observe(time.perf_counter() - started)
+                    ticket.answered(time.perf_counter() - started)
                     try:
                         answer = await decode.read()
                     except (aiohttp.ClientError, TimeoutError) as exc:
@@ -322,6 +348,7 @@ class Router:
                         headers=headers,
                     )  # fmt: skip
             self.metrics.ttft.observe(time.perf_counter() - started)
+            ticket.answered(time.perf_counter() - started)
             return await self._relay(request, path, body, route, transfer_id, decode, headers)
         finally:
             self.picker.in_flight.subtract(ids)
@@ -437,11 +464,13 @@ class RouterServer:
         registry_url: str = "",
         registry_token: str | None = None,
         affinity: bool = True,
+        adp: AdpOptions | None = None,
     ) -> None:
         self.registry: MemoryRegistry | OrchestratorRegistry = (
             polled_registry(registry_url, registry_token) if registry_url else MemoryRegistry()
         )
-        self.router = Router(self.registry, auth, shm_dir, affinity=affinity)
+        self.router = Router(self.registry, auth, shm_dir, affinity=affinity, adp=adp)
+        self._adp_tick_s = adp.tick_s if adp is not None else 0.0
         self.auth = auth
         self._runner: web.AppRunner | None = None
         self._expire: asyncio.Task[None] | None = None
@@ -456,6 +485,8 @@ class RouterServer:
         await web.TCPSite(self._runner, host, port).start()
         if isinstance(self.registry, MemoryRegistry):
             self._expire = asyncio.create_task(self._expire_loop(self.registry))
+        if self.router.adp is not None:
+            self.router.adp.start(self._adp_tick_s)
         return site_url(self._runner, host)
 
     async def _expire_loop(self, registry: MemoryRegistry) -> None:
@@ -464,6 +495,8 @@ class RouterServer:
             registry.expire()
 
     async def close(self) -> None:
+        if self.router.adp is not None:
+            await self.router.adp.close()
         if self._expire is not None:
             self._expire.cancel()
             with contextlib.suppress(asyncio.CancelledError):

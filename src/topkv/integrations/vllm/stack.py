@@ -89,16 +89,23 @@ def start_pd_instances(
     *,
     prefill: int = 1,
     decode: int = 1,
+    both: int = 0,
     python: str | None = None,
     max_model_len: int = 1024,
     load_timeout_s: float = 30.0,
 ) -> list[VllmInstance]:
-    """Start the instances (prefill0.., decode0..; OpenMP bound round-robin to the cores)
-    and return at once; :func:`wait_up` waits for them."""
+    """Start the instances (prefill0.., decode0.., both0..; OpenMP bound round-robin to the
+    cores) and return at once; :func:`wait_up` waits for them. ``both``: instances started
+    ``kv_both``, registered as decode (with their sinks) and able to prefill too: the front
+    door's ADP moves them between the pools (:mod:`.pools`)."""
     cores = os.cpu_count() or 1
-    roles = [("prefill", "kv_producer")] * prefill + [("decode", "kv_consumer")] * decode
+    roles = (
+        [("prefill", "kv_producer")] * prefill
+        + [("decode", "kv_consumer")] * decode
+        + [("both", "kv_both")] * both
+    )
     instances = []
-    counts = {"prefill": 0, "decode": 0}
+    counts = {"prefill": 0, "decode": 0, "both": 0}
     for index, (role, kv_role) in enumerate(roles):
         name = f"{role}{counts[role]}"
         counts[role] += 1
@@ -113,6 +120,8 @@ def start_pd_instances(
             "tcp_port": free_port(),
             "load_timeout_s": load_timeout_s,
         }
+        if kv_role == "kv_both":
+            extra["role"] = "decode"
         instances.append(
             start_vllm(
                 supervisor, name, model_dir, port, cpu=str(index % cores),

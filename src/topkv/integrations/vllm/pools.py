@@ -1,0 +1,500 @@
+"""The front door's Adaptive Decoder Pool: ``kv_both`` vLLM instances move between pools.
+
+vLLM has no role endpoint, but an instance started with ``kv_role`` ``kv_both`` (and the
+connector's ``role`` ``decode``, so it has its sinks) can both produce and consume KV: which
+pool it serves is only a front-door decision. :class:`FrontDoorADP` makes it with the same
+pure policy the orchestrator and the simulator run (:class:`~topkv.policy.adp.
+AdaptiveDecoderPool`: the token-velocity EMA, the 2-of-3 rush detector with hysteresis, the
+conversion plan with its share cap), fed with what the front door sees:
+
+* each request's prompt tokens as it is admitted (:meth:`FrontDoorADP.admit`), its TTFT
+  when the decode instance answers, and at every :meth:`~FrontDoorADP.tick` the prefill
+  queue depth: requests admitted whose prefill has not finished;
+* one :class:`~topkv.policy.adp.WorkerView` per registered instance: a native prefill
+  instance as native prefill; a movable (``kv_both``) one as native decode, with the decode
+  answers and streams it serves now as ``active_decode``, the KV not yet acknowledged to or
+  from it (routed, and the decode not yet answering) as ``unacked_kv``, its registered
+  capacity as ``decode_slots``. Plain decode instances (``kv_consumer``) cannot produce KV:
+  they are left out of the policy's view, so the cap (``max_convert_share``, never the last)
+  is over the movable instances.
+
+The plan is applied to the picker's pools (:meth:`FrontDoorADP.workers`, which the picker
+reads instead of the registry's roles): a *fenced* instance takes no new decode (its KV and
+streams finish where they are) and moves once they are done; a *converting* or *returning*
+one takes nothing new while its record changes; a *converted* one serves prefill, keeping the
+decode streams it had; a *draining* one takes no new prefill and returns once its prefills
+are done. No request is lost: nothing is moved while KV to or from it is unacknowledged, and
+a request in flight finishes on the instances it was routed to.
+
+A move is recorded in the registry (a :class:`RoleWriter` rewrites the instance's record with
+the new role: the orchestrator's ``GET /v1/workers`` shows it) and is finished when the
+registry the front door reads shows it; its time (decided to shown) is measured on
+``timer`` and observed in the orchestrator's ADP metric names (:class:`~topkv.relay.metrics.
+AdpMetrics`: ``topkv_adp_rush``, ``topkv_adp_pool_workers{pool}``, ``topkv_conversions_total``,
+``topkv_conversion_seconds``) on the front door's ``/metrics``. An instance that re-registers
+with its native role (its lease ran out) is rewritten again at the next tick.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+from collections import Counter
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from prometheus_client import CollectorRegistry
+
+from topkv.errors import ConfigError, TopKVError
+from topkv.policy.adp import DEFAULT_ADP, AdaptiveDecoderPool, ADPConfig, ConversionPlan, WorkerView
+from topkv.policy.clock import Clock, MonotonicClock
+from topkv.relay.adp import Conversion, ConversionFailed, Stage
+from topkv.relay.metrics import AdpMetrics
+from topkv.relay.registry_base import WorkerRegistry
+from topkv.relay.workers import Role, WorkerInfo
+from topkv.service.adp_service import AdpState, ConversionView
+from topkv.service.registrar import HttpRegistrar
+from topkv.service.registrations import Registrations
+
+log = logging.getLogger(__name__)
+
+#: Stages in which a movable instance serves (or is about to serve) prefill.
+_PREFILL_STAGES: frozenset[Stage] = frozenset({"converting", "converted", "draining", "returning"})
+
+
+class RoleWriter(Protocol):
+    """Rewrites an instance's registry record with another role."""
+
+    async def write(self, info: WorkerInfo, role: Role) -> None:
+        """Raises a :class:`~topkv.errors.TopKVError` when the registry refuses."""
+        ...
+
+
+class EmbeddedRoleWriter:
+    """The front door's embedded registry: the instance's own registration is updated (its
+    lease and its worker token's ownership stay as they are)."""
+
+    def __init__(self, registrations: Registrations) -> None:
+        self.registrations = registrations
+
+    async def write(self, info: WorkerInfo, role: Role) -> None:
+        registration = self.registrations.by_worker.get(info.worker_id)
+        if registration is None:
+            raise ConversionFailed(f"{info.worker_id} holds no registration here")
+        registration.update(info.model_copy(update={"role": role}))
+
+
+class OrchestratorRoleWriter:
+    """An orchestrator's registry: the record is registered again (``POST /v1/workers``)
+    with the instances' worker token, so the instance's own heartbeats (same token) keep
+    renewing it; then the front door's view is refreshed."""
+
+    def __init__(
+        self,
+        url: str,
+        worker_token: str | None,
+        refresh: Callable[[], Any],
+        ttl_s: float = 6.0,
+    ) -> None:
+        self.url = url
+        self.worker_token = worker_token
+        self.refresh = refresh
+        #: The connector's lease (:class:`~.registration.BackgroundRegistration`'s default).
+        self.ttl_s = ttl_s
+
+    async def write(self, info: WorkerInfo, role: Role) -> None:
+        registrar = HttpRegistrar(self.url, self.worker_token)
+        try:
+            await registrar.update(info.model_copy(update={"role": role}), self.ttl_s)
+        finally:
+            await registrar.close()
+        refreshed = self.refresh()
+        if asyncio.iscoroutine(refreshed):
+            await refreshed
+
+
+def prompt_tokens(body: Mapping[str, Any]) -> int:
+    """A request's prompt tokens as far as the front door knows them: a token-id prompt's
+    length, else its text's UTF-8 bytes over 4 (a text prompt, chat messages), at least 1."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return len(prompt)
+    if isinstance(prompt, list):
+        text = "".join(p for p in prompt if isinstance(p, str))
+    elif isinstance(prompt, str):
+        text = prompt
+    else:
+        messages = body.get("messages")
+        text = "".join(str(m.get("content", "")) for m in messages or () if isinstance(m, dict))
+    return max(1, len(text.encode()) // 4)
+
+
+class Ticket:
+    """One request's marks in the pools' load (:meth:`FrontDoorADP.admit`); every method is
+    a no-op without an ADP. :meth:`close` takes back whatever is still marked."""
+
+    def __init__(self, adp: FrontDoorADP | None) -> None:
+        self._adp = adp
+        self._queued = adp is not None
+        self._prefill: str | None = None
+        self._decode: str | None = None
+        self._unacked: tuple[str, ...] = ()
+        self._decoding: str | None = None
+
+    def routed(self, prefill: str, decode: str) -> None:
+        """The prefill instance runs the prompt, streaming its KV to ``decode``."""
+        if self._adp is None:
+            return
+        self._release_route()
+        self._prefill, self._decode = prefill, decode
+        self._unacked = (prefill, decode)
+        self._adp.prefilling[prefill] += 1
+        self._adp.unacked.update(self._unacked)
+
+    def prefilled(self) -> None:
+        """The prefill call answered: out of the prefill queue."""
+        if self._adp is None:
+            return
+        if self._prefill is not None:
+            self._adp.prefilling[self._prefill] -= 1
+            self._prefill = None
+        if self._queued:
+            self._adp.queued -= 1
+            self._queued = False
+
+    def answered(self, ttft_s: float) -> None:
+        """The decode instance answered (its KV loaded, the first token out): a TTFT."""
+        if self._adp is None or self._decode is None:
+            return
+        self._adp.unacked.subtract(self._unacked)
+        self._unacked = ()
+        self._decoding, self._decode = self._decode, None
+        self._adp.decoding[self._decoding] += 1
+        self._adp.pool.observe_ttft(ttft_s)
+
+    def _release_route(self) -> None:
+        assert self._adp is not None
+        if self._prefill is not None:
+            self._adp.prefilling[self._prefill] -= 1
+        self._adp.unacked.subtract(self._unacked)
+        if self._decoding is not None:
+            self._adp.decoding[self._decoding] -= 1
+        self._prefill = self._decode = self._decoding = None
+        self._unacked = ()
+
+    def close(self) -> None:
+        if self._adp is None:
+            return
+        self._release_route()
+        if self._queued:
+            self._adp.queued -= 1
+            self._queued = False
+        self._adp = None
+
+
+class FrontDoorADP:
+    """The ADP over the front door's instances (module docstring).
+
+    ``movable``: the ids of the ``kv_both`` instances (native decode). ``clock`` drives the
+    policy, ``timer`` measures the moves (both monotonic by default)."""
+
+    def __init__(
+        self,
+        registry: WorkerRegistry,
+        writer: RoleWriter,
+        movable: Collection[str],
+        metrics: CollectorRegistry,
+        *,
+        config: ADPConfig = DEFAULT_ADP,
+        clock: Clock | None = None,
+        timer: Clock | None = None,
+        registry_wait_s: float = 10.0,
+    ) -> None:
+        self.registry = registry
+        self.writer = writer
+        self.movable = frozenset(movable)
+        self.config = config
+        self.clock: Clock = clock or MonotonicClock()
+        self.timer: Clock = timer or MonotonicClock()
+        self.origin_s = self.clock.now()
+        self.registry_wait_s = registry_wait_s
+        self.pool = AdaptiveDecoderPool(self.clock, config)
+        self.metrics = AdpMetrics(metrics)
+        self.stage: dict[str, Stage] = {}
+        self.conversions: list[Conversion] = []
+        #: Load, by instance: prefill calls running, KV not yet acknowledged to or from it,
+        #: decode answers and streams it serves; requests whose prefill is not done.
+        self.prefilling: Counter[str] = Counter()
+        self.unacked: Counter[str] = Counter()
+        self.decoding: Counter[str] = Counter()
+        self.queued = 0
+        self._fenced_at: dict[str, float] = {}
+        self._rewriting: set[str] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._ticker: asyncio.Task[None] | None = None
+
+    # -- what the router calls ---------------------------------------------------------------
+
+    def admit(self, body: Mapping[str, Any]) -> Ticket:
+        """A request arrived: its prompt tokens observed, it joins the prefill queue."""
+        self.pool.observe_arrival(prompt_tokens(body))
+        self.queued += 1
+        return Ticket(self)
+
+    def pool_of(self, info: WorkerInfo) -> Role | None:
+        """The pool ``info`` takes new work in now (None: neither, while it moves)."""
+        wid = info.worker_id
+        if wid not in self.movable:
+            return info.role
+        stage = self.stage.get(wid)
+        if stage is None:
+            return "decode"
+        return "prefill" if stage == "converted" else None
+
+    def workers(self, role: Role) -> list[WorkerInfo]:
+        """The registered instances that take new ``role`` work now (what the picker uses)."""
+        return [w for w in self.registry.workers() if self.pool_of(w) == role]
+
+    # -- the tick ----------------------------------------------------------------------------
+
+    def views(self) -> list[WorkerView]:
+        out = []
+        for info in self.registry.workers():
+            wid = info.worker_id
+            if wid not in self.movable:
+                if info.role == "prefill":
+                    out.append(WorkerView(wid, "prefill", "prefill", 0, 0, self.unacked[wid]))
+                continue  # a plain decode instance never moves (module docstring)
+            stage = self.stage.get(wid)
+            out.append(
+                WorkerView(
+                    wid,
+                    "decode",
+                    "prefill" if stage in _PREFILL_STAGES else "decode",
+                    self.decoding[wid],
+                    info.capacity,
+                    unacked_kv=self.unacked[wid],
+                    prefilling=self.prefilling[wid] > 0 or stage in ("converting", "returning"),
+                    fenced=stage == "fenced",
+                )
+            )
+        return out
+
+    async def tick(self) -> ConversionPlan:
+        """One update: the signals, the plan, the plan applied (moves start as tasks)."""
+        plan = self.pool.update(max(self.queued, 0), self.views())
+        self._apply(plan)
+        self._reconcile()
+        self._gauges()
+        return plan
+
+    def _apply(self, plan: ConversionPlan) -> None:
+        stage = self.stage
+        for wid in plan.fence:
+            if wid not in stage:
+                stage[wid] = "fenced"
+                self._fenced_at[wid] = self.timer.now()
+        for wid in plan.unfence:
+            if stage.get(wid) == "fenced":
+                del stage[wid]
+                self._fenced_at.pop(wid, None)
+        for wid in plan.to_prefill:
+            if stage.get(wid) in (None, "fenced"):
+                stage[wid] = "converting"
+                self._start(wid, "decode", "prefill")
+        if self.pool.in_rush:  # a new rush: drained instances serve prefill again
+            for wid, now in list(stage.items()):
+                if now == "draining":
+                    stage[wid] = "converted"
+        for wid in plan.drain:
+            if stage.get(wid) == "converted":
+                stage[wid] = "draining"
+        for wid in plan.to_decode:
+            if stage.get(wid) in ("converted", "draining"):
+                stage[wid] = "returning"
+                self._start(wid, "prefill", "decode")
+
+    def _reconcile(self) -> None:
+        """A moved instance whose record shows another role (it registered again with its
+        native one) is written again; a movable instance gone from the registry is forgotten."""
+        live = {w.worker_id: w for w in self.registry.workers()}
+        for wid in list(self.stage):
+            if wid not in live and self.stage[wid] in ("fenced", "converted", "draining"):
+                del self.stage[wid]
+        for wid, info in live.items():
+            if wid not in self.movable or wid in self._rewriting:
+                continue
+            stage = self.stage.get(wid)
+            if stage in ("converted", "draining") and info.role != "prefill":
+                self._spawn(self._rewrite(info, "prefill"))
+            elif stage in (None, "fenced") and info.role != "decode":
+                self._spawn(self._rewrite(info, "decode"))  # a move this front door forgot
+
+    async def _rewrite(self, info: WorkerInfo, role: Role) -> None:
+        self._rewriting.add(info.worker_id)
+        try:
+            await self.writer.write(info, role)
+        except TopKVError as exc:
+            log.warning("router adp: rewriting %s as %s: %s", info.worker_id, role, exc)
+        finally:
+            self._rewriting.discard(info.worker_id)
+
+    def _gauges(self) -> None:
+        m = self.metrics
+        m.rush.set(1 if self.pool.in_rush else 0)
+        m.pool.labels("prefill").set(len(self.workers("prefill")))
+        m.pool.labels("decode").set(len(self.workers("decode")))
+        m.converted.set(sum(1 for s in self.stage.values() if s in _PREFILL_STAGES))
+
+    # -- moves -------------------------------------------------------------------------------
+
+    def _spawn(self, coroutine: Any) -> None:
+        task = asyncio.ensure_future(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _start(self, worker_id: str, from_role: Role, to_role: Role) -> None:
+        self._spawn(self._move(worker_id, from_role, to_role))
+
+    async def _move(self, worker_id: str, from_role: Role, to_role: Role) -> None:
+        at_ms = (self.clock.now() - self.origin_s) * 1000.0
+        started = self.timer.now()
+        fenced_at = self._fenced_at.pop(worker_id, None)
+        fenced_ms = 0.0 if fenced_at is None else (started - fenced_at) * 1000.0
+        try:
+            info = self.registry.get(worker_id)
+            if info is None:
+                raise ConversionFailed(f"{worker_id} is no longer registered")
+            await self.writer.write(info, to_role)
+            written = self.timer.now()
+            await self._shown(worker_id, to_role)
+        except TopKVError as exc:
+            self._failed(worker_id, from_role, to_role, at_ms, str(exc))
+            return
+        duration_ms = (self.timer.now() - started) * 1000.0
+        if to_role == "decode":
+            self.stage.pop(worker_id, None)
+        else:
+            self.stage[worker_id] = "converted"
+        self.metrics.conversions.labels(from_role, to_role).inc()
+        self.metrics.seconds.labels(to_role).observe(duration_ms / 1000.0)
+        self.conversions.append(
+            Conversion(
+                worker_id, from_role, to_role, at_ms, duration_ms,
+                (written - started) * 1000.0, fenced_ms,
+            )
+        )  # fmt: skip
+        log.info("router adp: %s %s -> %s in %.1f ms", worker_id, from_role, to_role, duration_ms)
+        self._gauges()
+
+    async def _shown(self, worker_id: str, role: Role) -> None:
+        """Until the registry the front door reads shows ``worker_id`` as ``role``."""
+        deadline = self.timer.now() + self.registry_wait_s
+        while True:
+            info = self.registry.get(worker_id)
+            if info is not None and info.role == role:
+                return
+            if self.timer.now() > deadline:
+                raise ConversionFailed(
+                    f"{worker_id} did not show up as {role} in the registry within "
+                    f"{self.registry_wait_s} s"
+                )
+            await asyncio.sleep(0.02)
+
+    def _failed(
+        self, worker_id: str, from_role: Role, to_role: Role, at_ms: float, why: str
+    ) -> None:
+        log.warning("router adp: moving %s to %s failed: %s", worker_id, to_role, why)
+        self.metrics.failures.labels(from_role, to_role).inc()
+        self.conversions.append(Conversion(worker_id, from_role, to_role, at_ms, None, detail=why))
+        if self.registry.get(worker_id) is None or to_role == "prefill":
+            self.stage.pop(worker_id, None)  # gone, or still decode: the policy may retry
+        else:
+            self.stage[worker_id] = "converted"  # still prefill: back on a later tick
+        self._gauges()
+
+    # -- state and lifecycle -----------------------------------------------------------------
+
+    @property
+    def in_rush(self) -> bool:
+        return self.pool.in_rush
+
+    def state(self) -> AdpState:
+        """``GET /v1/adp`` on the front door: the orchestrator's shape (:class:`AdpState`)."""
+        now = self.clock.now()
+        return AdpState(
+            enabled=True,
+            in_rush=self.pool.in_rush,
+            stages=dict(self.stage),
+            conversions=[
+                ConversionView.model_validate(dataclasses.asdict(c)) for c in self.conversions
+            ],
+            rush_periods=[
+                [(s - self.origin_s) * 1000.0, ((now if e is None else e) - self.origin_s) * 1e3]
+                for s, e in self.pool.rush_periods
+            ],
+        )
+
+    def start(self, tick_s: float) -> None:
+        """Tick every ``tick_s`` seconds on the running loop until :meth:`close`."""
+        if self._ticker is None:
+            self._ticker = asyncio.ensure_future(self._tick_loop(tick_s))
+
+    async def _tick_loop(self, tick_s: float) -> None:
+        while True:
+            try:
+                await self.tick()
+            except TopKVError as exc:  # a bad observation: the next tick tries again
+                log.warning("router adp: %s", exc)
+            await asyncio.sleep(tick_s)
+
+    async def settle(self, timeout_s: float = 30.0) -> None:
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=timeout_s)
+
+    async def close(self) -> None:
+        ticker, self._ticker = self._ticker, None
+        if ticker is not None:
+            ticker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await ticker
+        await self.settle(self.registry_wait_s + 5.0)
+
+
+@dataclass(frozen=True)
+class AdpOptions:
+    """The front door's ADP (``topkv router --adp on``): the policy's thresholds, the
+    ``kv_both`` instance ids, the instances' worker token (to rewrite their records at an
+    orchestrator) and how often it ticks."""
+
+    movable: frozenset[str]
+    config: ADPConfig = DEFAULT_ADP
+    worker_token: str | None = None
+    tick_s: float = 0.5
+
+
+def front_door_adp(
+    options: AdpOptions,
+    registry: WorkerRegistry,
+    registrations: Registrations,
+    metrics: CollectorRegistry,
+) -> FrontDoorADP:
+    """The ADP over ``registry``: the embedded one (records updated in place) or an
+    orchestrator's (records registered again there); etcd leases are the instances' own, so
+    no front door can rewrite them: refused."""
+    from topkv.integrations.vllm.remote_registry import EtcdReadRegistry, OrchestratorRegistry
+
+    writer: RoleWriter
+    if isinstance(registry, EtcdReadRegistry):
+        raise ConfigError(
+            "--adp on with an etcd registry: the instances' records are their own leases; "
+            "use the embedded registry or an orchestrator's"
+        )
+    if isinstance(registry, OrchestratorRegistry):
+        writer = OrchestratorRoleWriter(registry.url, options.worker_token, registry.refresh)
+    else:
+        writer = EmbeddedRoleWriter(registrations)
+    return FrontDoorADP(registry, writer, options.movable, metrics, config=options.config)
