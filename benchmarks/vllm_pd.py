@@ -83,6 +83,13 @@ def _nixl_missing() -> str | None:
 
 #: vLLM's NixlConnector on the CPU: KV staged in host memory, UCX over tcp/shm.
 NIXL = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+#: Its instances' environment: UCX and the side channel on loopback, as TopKVConnector keeps
+#: its own NIXL/UCX on an instance serving on 127.0.0.1 (media.engine_options).
+NIXL_ENV = {"UCX_TLS": "tcp,self,sm", "UCX_NET_DEVICES": "lo",
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}  # fmt: skip
+#: Seconds every instance gets to become healthy, counted from their common start (they
+#: start together and share the cores: on a loaded 2-core host that takes minutes).
+START_TIMEOUT_S = 900.0
 NIXL_PREFILL_PARAMS = {
     "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
     "remote_block_ids": None, "remote_host": None, "remote_port": None,
@@ -104,6 +111,7 @@ def main() -> None:
         VllmStartError,
         kv_transfer_config,
         start_vllm,
+        stop_instances,
         wait_healthy,
     )
     from topkv.integrations.vllm.model import VOCAB_SIZE, write_tiny_llama
@@ -133,7 +141,7 @@ def main() -> None:
     if nixl_error is None:
         for name in ("nixl-prefill", "nixl-decode"):
             configs[name] = NIXL
-            envs[name] = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(_port()), "UCX_TLS": "tcp,self,sm"}
+            envs[name] = {**NIXL_ENV, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(_port())}
     supervisor = Supervisor(root / "logs", grace_s=20)
     instances = {
         name: start_vllm(
@@ -142,13 +150,16 @@ def main() -> None:
         )
         for i, (name, config) in enumerate(configs.items())
     }  # fmt: skip
+    started = time.monotonic()
     try:
         nixl_names = [name for name in instances if name.startswith("nixl")]
-        wait_healthy([i for n, i in instances.items() if n not in nixl_names], timeout_s=600)
-        try:
-            wait_healthy([instances[n] for n in nixl_names], timeout_s=300)
+        others = [i for n, i in instances.items() if n not in nixl_names]
+        wait_healthy(others, timeout_s=START_TIMEOUT_S)
+        try:  # never less than 120 s more than the others took
+            left = max(START_TIMEOUT_S - (time.monotonic() - started), 120.0)
+            wait_healthy([instances[n] for n in nixl_names], timeout_s=left)
         except VllmStartError as exc:
-            nixl_error = f"NixlConnector instances did not start: {str(exc)[-600:]}"
+            nixl_error = f"NixlConnector instances did not start: {str(exc)[-4000:]}"
         rng = random.Random(0)
         lengths = [rng.randrange(100, 901) for _ in range(args.requests)]
         ttft: dict[str, list[float]] = {"topkv": [], "example": [], "nixl": [], "none": []}
@@ -188,12 +199,15 @@ def main() -> None:
                     ttft["nixl"].append(pre + dec)
                     transfer["nixl"].append(dec)
                 except Exception as exc:  # report why, keep the other setups' figures
-                    nixl_error = f"NixlConnector request failed: {exc!r}"
+                    logs = "".join(
+                        f"\n--- {n}'s log ends:\n{instances[n].log_lines()}" for n in nixl_names
+                    )
+                    nixl_error = f"NixlConnector request failed: {exc!r}{logs}"
             other = [rng.randrange(VOCAB_SIZE - 2) for _ in range(length)]  # not cached yet
             _, alone = _post(url["topkv-prefill"], {**base, "prompt": other})
             ttft["none"].append(alone)
     finally:
-        supervisor.stop_all()
+        stop_instances(supervisor, list(instances.values()))
 
     def entry(name: str) -> dict[str, Any]:
         t = _pcts(ttft[name])

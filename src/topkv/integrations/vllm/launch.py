@@ -7,8 +7,10 @@ work on the CPU backend. Each instance gets its own OpenMP core binding.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -60,6 +62,39 @@ class VllmInstance:
     def log_tail(self, lines: int = 40) -> str:
         return self.managed.log_tail(lines)
 
+    def log_lines(self, lines: int = 12) -> str:
+        """The log's last ``lines`` lines that say something (not nanobind's leak list, which
+        a vLLM process prints when it exits, nor blank lines)."""
+        text = self.managed.log_tail(400).splitlines()
+        kept = [line for line in text if line.strip() and "leaked" not in line]
+        return "\n".join(kept[-lines:])
+
+
+def _writing_to(log_path: Path) -> list[int]:
+    """Processes whose stdout is ``log_path``: a vLLM instance and the engine core and worker
+    it started (the engine core is reparented to init, so it is not a child to wait for)."""
+    target = str(log_path.resolve())
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            if os.readlink(entry / "fd" / "1") == target:
+                found.append(int(entry.name))
+    return found
+
+
+def stop_instances(supervisor: Supervisor, instances: list[VllmInstance]) -> None:
+    """Stop every process of ``supervisor``, then SIGKILL what the instances left behind:
+    an API server killed before it shut its engine down (one still starting, or one past
+    the grace period) leaves the engine core and its worker running, and a NixlConnector
+    worker keeps a core busy for as long as it lives."""
+    supervisor.stop_all()
+    for instance in instances:
+        for pid in _writing_to(instance.managed.log_path):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+
 
 def start_vllm(
     supervisor: Supervisor,
@@ -109,7 +144,7 @@ def wait_healthy(instances: list[VllmInstance], timeout_s: float = 300.0) -> Non
             if not instance.managed.alive():
                 raise VllmStartError(
                     f"vLLM {instance.name} exited with {instance.process.returncode}:\n"
-                    + instance.log_tail()
+                    + instance.log_lines(40)
                 )
             try:
                 with urllib.request.urlopen(instance.url + "/health", timeout=2) as answer:
@@ -119,6 +154,7 @@ def wait_healthy(instances: list[VllmInstance], timeout_s: float = 300.0) -> Non
                 pass
         if pending and time.monotonic() > deadline:
             names = ", ".join(i.name for i in pending)
-            raise VllmStartError(f"vLLM {names} not healthy after {timeout_s} s")
+            logs = "".join(f"\n--- {i.name}'s log ends:\n{i.log_lines()}" for i in pending)
+            raise VllmStartError(f"vLLM {names} not healthy after {timeout_s} s{logs}")
         if pending:
             time.sleep(0.5)
