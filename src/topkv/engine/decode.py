@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from topkv.engine.deps import require_model_extra
 from topkv.engine.errors import KVLayoutError
@@ -23,15 +23,22 @@ def _check_max_new_tokens(max_new_tokens: int) -> None:
 
 
 def _continue_greedy(
-    loaded: LoadedModel, cache: DynamicCache, first_token: int, max_new_tokens: int
+    loaded: LoadedModel,
+    cache: DynamicCache,
+    first_token: int,
+    max_new_tokens: int,
+    between_steps: Callable[[], None] | None = None,
 ) -> list[int]:
     """Feed tokens one at a time through ``cache`` until ``max_new_tokens`` are produced.
 
-    No EOS stop: the demo compares fixed-length outputs.
+    No EOS stop: the demo compares fixed-length outputs. ``between_steps`` is called after
+    each step but the last (the engine lets a waiting prefill chunk run there).
     """
     tokens = [first_token]
     with torch.inference_mode():
         while len(tokens) < max_new_tokens:
+            if between_steps is not None and len(tokens) > 1:
+                between_steps()
             step = torch.tensor([[tokens[-1]]], dtype=torch.long, device=loaded.device)
             output = loaded.model(input_ids=step, cache=cache, use_cache=True, logits_to_keep=1)
             tokens.append(greedy_token(output.logits))
@@ -67,18 +74,20 @@ class DecodeRunner:
         first_token: int,
         prompt_len: int,
         max_new_tokens: int,
+        between_steps: Callable[[], None] | None = None,
     ) -> list[int]:
         """Greedy tokens, starting with ``first_token`` (from prefill), ``max_new_tokens`` in all.
 
         ``layers[i]`` is layer i's (K, V), tensors or numpy arrays shaped
-        ``[prompt_len, kv_heads, head_dim]`` in the model's dtype.
+        ``[prompt_len, kv_heads, head_dim]`` in the model's dtype. ``between_steps``: called
+        between decode steps (``_continue_greedy``).
         """
         _check_max_new_tokens(max_new_tokens)
         vocab = int(self.loaded.config.vocab_size)
         if not 0 <= first_token < vocab:
             raise KVLayoutError(f"first_token must be in [0, {vocab}), got {first_token}")
         cache = build_cache(self.loaded, layers, prompt_len)
-        return _continue_greedy(self.loaded, cache, first_token, max_new_tokens)
+        return _continue_greedy(self.loaded, cache, first_token, max_new_tokens, between_steps)
 
 
 def reference_generate(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +27,9 @@ from topkv.engine.models import LoadedModel  # noqa: E402
 
 #: ``on_layer(layer_index, k, v)``; K and V are contiguous ``[seq_len, kv_heads, head_dim]``.
 LayerCallback = Callable[[int, torch.Tensor, torch.Tensor], None]
+#: ``turn()``: held around each forward pass over the model (a chunk, a decode step), so
+#: the engine serializes passes while letting others run between a request's passes.
+Turn = Callable[[], AbstractContextManager[object]]
 
 
 @dataclass(frozen=True)
@@ -113,6 +117,7 @@ class PrefillRunner:
         input_ids: Sequence[int] | torch.Tensor,
         on_layer: LayerCallback,
         chunk_tokens: int | None = None,
+        turn: Turn = nullcontext,
     ) -> PrefillResult:
         """One forward pass over the prompt; ``on_layer`` fires once per layer, in order.
 
@@ -124,6 +129,11 @@ class PrefillRunner:
         prompt goes through the model ``chunk_tokens`` at a time, each chunk attending to
         the cache the earlier ones filled; a layer's K/V is whole, and published, in the
         last chunk's pass (its timings are the last chunk's).
+
+        ``turn``: held around each chunk's pass, and released between chunks, so a worker's
+        decode steps can run between them (the engine's turns, service.engines). The layer
+        hooks are on the model only during the last chunk's pass: another request's pass
+        between chunks fires none of them.
         """
         ids = as_input_ids(input_ids)
         check_token_ids(self.loaded, ids)
@@ -158,26 +168,30 @@ class PrefillRunner:
 
             return before, after
 
-        for index, decoder_layer in enumerate(self.loaded.decoder_layers):
-            before, after = make_hooks(index)
-            handles.append(decoder_layer.register_forward_pre_hook(before))
-            handles.append(decoder_layer.register_forward_hook(after))
-        try:
-            with torch.inference_mode():
-                forward_start = time.perf_counter()
-                for number, chunk in enumerate(chunks):
-                    publishing[0] = number == len(chunks) - 1
-                    output = model(
-                        input_ids=chunk.to(self.loaded.device),
-                        cache=cache,
-                        use_cache=True,
-                        logits_to_keep=1,
-                    )
-                first_token = greedy_token(output.logits)
-                forward_end = time.perf_counter()
-        finally:
-            for handle in handles:
-                handle.remove()
+        with torch.inference_mode():
+            forward_start = time.perf_counter()
+            for number, chunk in enumerate(chunks):
+                last = number == len(chunks) - 1
+                publishing[0] = last
+                with turn():
+                    if last:
+                        for index, decoder_layer in enumerate(self.loaded.decoder_layers):
+                            before, after = make_hooks(index)
+                            handles.append(decoder_layer.register_forward_pre_hook(before))
+                            handles.append(decoder_layer.register_forward_hook(after))
+                    try:
+                        output = model(
+                            input_ids=chunk.to(self.loaded.device),
+                            cache=cache,
+                            use_cache=True,
+                            logits_to_keep=1,
+                        )
+                    finally:
+                        for handle in handles:
+                            handle.remove()
+                        handles.clear()
+            first_token = greedy_token(output.logits)
+            forward_end = time.perf_counter()
         return PrefillResult(
             first_token=first_token,
             prompt_len=int(ids.shape[1]),

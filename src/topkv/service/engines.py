@@ -22,13 +22,21 @@ and, on a decode worker, continues generation from KV that arrived.
   (None for the synthetic engine);
 * ``decode(kv, first_token, max_new_tokens)`` generates tokens from a held KV (blocking).
 
-``serial`` engines (a model) run one prefill or decode at a time on their own thread.
+``serial`` engines (a model) run one forward pass at a time (:class:`EngineTurns`), on their
+own threads (``threads`` of them): an unchunked prefill, a reference generation and a decode
+each take one turn; a chunked prefill (a converted decode worker) takes one turn per chunk,
+and a decode lets a waiting chunk go between its steps, so the decode sequences a converted
+worker keeps go on decoding between its prefill's chunks instead of waiting for the whole
+prompt.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
@@ -83,9 +91,80 @@ class PrefillPlan:
     chunk_tokens: int | None = None
 
 
+#: Threads a serial engine's worker runs engine calls on: calls past the first wait for
+#: their turn on the model (:class:`EngineTurns`); a call past these waits for a thread.
+ENGINE_THREADS = 16
+
+
+class EngineTurns:
+    """One forward pass at a time on a model, in the order the passes were asked for.
+
+    ``turn(kind)`` holds the model for one pass or a run of them; a holder that can pause
+    (a decode between steps) calls ``yield_to(kind, own)``: when a ``kind`` call waits, it
+    and whoever asked before it go first, then the holder continues. ``started_s`` is the
+    time the calling thread's current call first got the model (None before; ``begin()``
+    starts a call), so an engine call's time excludes its wait for the model.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._queue: deque[tuple[object, str]] = deque()
+        self._busy = False
+        self._local = threading.local()
+
+    def _take(self, kind: str) -> None:
+        me = object()
+        with self._cond:
+            self._queue.append((me, kind))
+            self._cond.wait_for(lambda: not self._busy and self._queue[0][0] is me)
+            self._queue.popleft()
+            self._busy = True
+        if getattr(self._local, "started_s", None) is None:
+            self._local.started_s = time.perf_counter()
+
+    def begin(self) -> None:
+        """A new engine call on this thread: its start is its first turn's."""
+        self._local.started_s = None
+
+    def _give(self) -> None:
+        with self._cond:
+            self._busy = False
+            self._cond.notify_all()
+
+    @contextmanager
+    def turn(self, kind: str) -> Iterator[None]:
+        self._take(kind)
+        try:
+            yield
+        finally:
+            self._give()
+
+    def waiting(self, kind: str) -> int:
+        """Calls of ``kind`` waiting for a turn."""
+        with self._cond:
+            return sum(1 for _, k in self._queue if k == kind)
+
+    def yield_to(self, kind: str, own: str) -> None:
+        """Inside a turn: let a waiting ``kind`` call (and those ahead of it) run first."""
+        if self.waiting(kind):
+            self._give()
+            self._take(own)
+
+    def started_s(self) -> float | None:
+        """When the calling thread's current engine call first got the model."""
+        started = getattr(self._local, "started_s", None)
+        return None if started is None else float(started)
+
+    def span(self, asked_s: float) -> tuple[float, float]:
+        """(The current call's start, not before ``asked_s``; now.)"""
+        started = self.started_s()
+        return (asked_s if started is None else max(asked_s, started)), time.perf_counter()
+
+
 class WorkerEngine(Protocol):
     name: EngineKind
     serial: bool
+    threads: int
 
     def describe(self) -> dict[str, object]: ...
 
@@ -94,6 +173,11 @@ class WorkerEngine(Protocol):
     def prefill(self, plan: PrefillPlan, publish: Publish) -> int | None: ...
 
     def decode(self, kv: HeldKV, first_token: int, max_new_tokens: int) -> list[int]: ...
+
+    def call_span(self, asked_s: float) -> tuple[float, float]:
+        """On the thread of an engine call that just ended: (when it began computing, not
+        before ``asked_s``, when it was asked; now)."""
+        ...
 
     def generate(self, plan: PrefillPlan, max_new_tokens: int) -> list[int]:
         """Prefill and decode ``plan``'s prompt here alone (the single-process reference)."""
@@ -163,6 +247,7 @@ class SyntheticEngine:
 
     name: EngineKind = "synthetic"
     serial = False
+    threads = 1
 
     def describe(self) -> dict[str, object]:
         return {"engine": self.name, "model_id": None}
@@ -191,6 +276,9 @@ class SyntheticEngine:
     def generate(self, plan: PrefillPlan, max_new_tokens: int) -> list[int]:
         return self.decode(HeldKV.producing(-1, plan.model_id, plan.layout), 0, max_new_tokens)
 
+    def call_span(self, asked_s: float) -> tuple[float, float]:
+        return asked_s, time.perf_counter()
+
     def close(self) -> None:
         return None
 
@@ -206,6 +294,7 @@ class HfEngine:
 
     name: EngineKind = "hf"
     serial = True
+    threads = ENGINE_THREADS
 
     def __init__(self, loaded: Any, torch_threads: int = 0) -> None:
         from topkv import engine
@@ -224,7 +313,7 @@ class HfEngine:
         self.torch_threads = torch_threads
         self._prefill = engine.PrefillRunner(loaded)
         self._decode = engine.DecodeRunner(loaded)
-        self._lock = threading.Lock()  # one forward pass at a time (hooks are per model)
+        self.turns = EngineTurns()  # one forward pass at a time (hooks are per model)
         from topkv.engine.moe import ExpertRecorder, moe_shape
 
         #: An MoE model's per-expert statistics (service.engine_experts reports them).
@@ -303,8 +392,17 @@ class HfEngine:
             tensors = (_bytes_of(k_np), _bytes_of(v_np))
             publish(index, tensors, tuple(crc64(t) for t in tensors))
 
-        with self._lock:
-            result = self._prefill.run(list(plan.prompt), on_layer, plan.chunk_tokens)
+        self.turns.begin()
+        if plan.chunk_tokens is None:  # one pass, one turn
+            with self.turns.turn("prefill"):
+                result = self._prefill.run(list(plan.prompt), on_layer)
+        else:  # one turn per chunk: decode steps run between them
+            result = self._prefill.run(
+                list(plan.prompt),
+                on_layer,
+                plan.chunk_tokens,
+                turn=lambda: self.turns.turn("prefill"),
+            )
         return int(result.first_token)
 
     def decode(self, kv: HeldKV, first_token: int, max_new_tokens: int) -> list[int]:
@@ -320,20 +418,29 @@ class HfEngine:
             raise EngineRequestError(
                 f"first_token must be in [0, {self.vocab_size}), got {first_token}"
             )
+        self.turns.begin()
         with kv.use():
             if len(kv.layers) != expected.num_layers:
                 raise EngineRequestError(f"request {kv.request_id}: its KV was released")
             layers = [arrays_from_bytes(self.spec, expected.seq_len, *layer) for layer in kv.layers]
-            with self._lock:
+            with self.turns.turn("decode"):
                 tokens = self._decode.generate(
-                    layers, first_token, expected.seq_len, max_new_tokens
+                    layers,
+                    first_token,
+                    expected.seq_len,
+                    max_new_tokens,
+                    between_steps=lambda: self.turns.yield_to("prefill", "decode"),
                 )
         return [int(t) for t in tokens]
+
+    def call_span(self, asked_s: float) -> tuple[float, float]:
+        return self.turns.span(asked_s)
 
     def generate(self, plan: PrefillPlan, max_new_tokens: int) -> list[int]:
         from topkv.engine import reference_generate
 
-        with self._lock:
+        self.turns.begin()
+        with self.turns.turn("generate"):
             return [
                 int(t) for t in reference_generate(self.loaded, list(plan.prompt), max_new_tokens)
             ]

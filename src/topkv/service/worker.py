@@ -174,7 +174,7 @@ class WorkerService:
         advertise = self._advertise
         self.engine = await asyncio.to_thread(build_engine, cfg.engine)
         if self.engine.serial:
-            self._compute = ThreadPoolExecutor(1, thread_name_prefix=f"engine-{self.worker_id}")
+            self._compute = ThreadPoolExecutor(self.engine.threads, f"engine-{self.worker_id}")
         media = self.offer.media
         register_engine_media(media, advertise if _wildcard(cfg.bind_host) else cfg.bind_host)
         tcp_port = ""
@@ -394,8 +394,8 @@ class WorkerService:
             kv.forward_start_s = time.perf_counter()  # on the engine's thread: it took it
             try:
                 return engine.prefill(plan, kv.publish)
-            finally:
-                kv.forward_end_s = time.perf_counter()
+            finally:  # its first pass began when it got the model (EngineTurns)
+                kv.forward_start_s, kv.forward_end_s = engine.call_span(kv.forward_start_s)
 
         try:
             first_token = await self._run_engine(run)
@@ -431,8 +431,8 @@ class WorkerService:
             stamps.append(time.perf_counter())
             try:
                 return engine.decode(kv, first_token, body.max_new_tokens)
-            finally:
-                stamps.append(time.perf_counter())
+            finally:  # it began when it got the model (EngineTurns), to now
+                stamps[:] = engine.call_span(stamps[0])
 
         try:
             tokens = await self._run_engine(run)
