@@ -10,7 +10,15 @@ import pytest
 from demo_results import result
 from test_demo_cli import KEYS, _run_demo
 
-from topkv.demo.adaptive import adp_json, demo_adp_config, ttft_p90_ms
+from topkv.demo.adaptive import (
+    PairedRun,
+    adp_json,
+    demo_adp_config,
+    pair_orders,
+    pairs_json,
+    pairs_text,
+    ttft_p90_ms,
+)
 from topkv.demo.report import JSON_REQUEST_KEYS, TIER_REQUEST_KEYS, request_json
 from topkv.demo.results import RequestResult
 from topkv.demo.tiers import tiers_json
@@ -52,6 +60,45 @@ def test_adp_json_adds_the_p90_and_with_both_the_run_without() -> None:
     assert both["ttft_p90_lower_with_adp"] is True
     assert adp_json(report, off, on)["ttft_p90_lower_with_adp"] is False
     assert adp_json(report, [failed], on)["ttft_p90_lower_with_adp"] is False
+
+
+def test_pairs_alternate_their_order_and_report_medians_by_order() -> None:
+    assert pair_orders(1) == [(False, True)]
+    assert pair_orders(3) == [(False, True), (True, False), (False, True)]
+
+    def run(pair: int, adp: bool, ttft: float) -> PairedRun:
+        results = [_result(i, ttft) for i in range(3)]
+        report: dict[str, object] | None = None
+        if adp:
+            c = {"worker": "decode0", "from": "decode", "to": "prefill", "at_ms": 5.0,
+                 "duration_ms": 12.0}  # fmt: skip
+            report = {"conversions": [c], "rush_periods": [[1.0, 9.0]]}
+        return PairedRun(pair, adp, results, report, 40.0, 1e6, (0.5, 2.5))
+
+    # ABBA: the second run of each pair is 10% slower, whichever it is
+    runs = [run(0, False, 1000), run(0, True, 1100), run(1, True, 900), run(1, False, 990)]
+    out = pairs_json(runs)
+    assert [p["order"] for p in out["pairs"]] == ["off-on", "on-off"]
+    first = out["pairs"][0]["runs"]
+    assert first[0] == {"adp": False, "ttft_p90_ms": 1000.0, "dilation": 40.0,
+                        "kv_bytes_per_prefill_s": 1e6, "load": [0.5, 2.5]}  # fmt: skip
+    assert first[1]["conversions"][0]["duration_ms"] == 12.0
+    assert first[1]["rush_periods"] == [[1.0, 9.0]]
+    assert out["by_order"] == {
+        "off-on": {"off_ttft_p90_ms": 1000.0, "on_ttft_p90_ms": 1100.0},
+        "on-off": {"off_ttft_p90_ms": 990.0, "on_ttft_p90_ms": 900.0},
+    }
+    assert out["median"] == {"off_ttft_p90_ms": 995.0, "on_ttft_p90_ms": 1000.0}
+    assert out["median_lower_with_adp"] is False
+    text = pairs_text(out)
+    assert "pair 1 (on-off): on 900 ms, 1 conversion(s); off 990 ms" in text
+    assert "median: off 995 ms, on 1000 ms" in text
+
+
+def test_repeats_need_the_comparison() -> None:
+    process, _stdout, stderr = _run_demo("--repeats", "2", "--adp", "on")
+    assert process.returncode != 0
+    assert "--repeats and --warmup-run compare the pool: give --adp both" in stderr
 
 
 def test_tier_keys_only_on_requests_served_with_tiers() -> None:

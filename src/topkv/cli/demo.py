@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import typer
 from rich.console import Console
@@ -19,8 +20,10 @@ from topkv.harness.stand_in import DEFAULT_STAND_IN
 from topkv.jsonout import dumps
 
 if TYPE_CHECKING:
+    from topkv.demo.adaptive import PairedRun
     from topkv.demo.results import RequestResult
-    from topkv.demo.runner import DemoRun
+    from topkv.demo.runner import DemoOptions, DemoRun
+    from topkv.harness.stand_in import Deployment
 
 
 def demo_command(
@@ -72,6 +75,20 @@ def demo_command(
         help="Adaptive Decoder Pool: off, on, or both (the same requests without, then with "
         "it; the run shown is the one with it).",
     ),
+    repeats: int = typer.Option(
+        1,
+        "--repeats",
+        min=1,
+        help="With --adp both: this many pairs, alternating their order (off-on, on-off, "
+        "...; 2 is ABBA); every run keeps the first run's dilation, and the medians are "
+        "reported.",
+    ),
+    warmup_run: bool = typer.Option(
+        False,
+        "--warmup-run",
+        help="With --adp both: one untimed run without the pool first, left out of the "
+        "comparison (it sets the dilation every run keeps).",
+    ),
     engine: str = typer.Option(
         "hf",
         "--engine",
@@ -85,7 +102,7 @@ def demo_command(
     if engine == "vllm":
         _run_vllm(requests, as_json, seed, new_tokens, speedup, trace, trace_start)
         return
-    from topkv.demo.adaptive import adp_json, adp_text
+    from topkv.demo.adaptive import adp_json, adp_text, pairs_json, pairs_text
     from topkv.demo.report import (
         options_json,
         request_json,
@@ -104,6 +121,8 @@ def demo_command(
         raise DemoError(f"--pipelining {pipelining!r}: use on or off")
     if adp not in ("off", "on", "both"):
         raise DemoError(f"--adp {adp!r}: use off, on or both")
+    if adp != "both" and (repeats > 1 or warmup_run):
+        raise DemoError("--repeats and --warmup-run compare the pool: give --adp both")
     deployment = Deployment.parse(stand_in)
     options = DemoOptions(
         requests=requests,
@@ -126,13 +145,21 @@ def demo_command(
         raise DemoError(f"the demo runs a real model: {INSTALL_HINT}")
     _interrupt_on_signals()
     without_adp = None
+    pairs = None
     if adp == "both":
-        baseline = DemoRun(replace(options, adp=False), stand_in=deployment.stand_in)
-        without_adp = _run_live(baseline, "without the ADP: ")
-        started = time.perf_counter()
-    results = _run_live(run, "with the ADP: " if adp == "both" else "")
+        compared = _run_pairs(options, deployment, repeats, warmup_run)
+        run, results, without_adp, pairs = (
+            compared.run,
+            compared.results,
+            compared.off,
+            compared.runs,
+        )
+        wall_s = compared.wall_s
+    else:
+        results = _run_live(run, "")
+        wall_s = time.perf_counter() - started
     assert run.dilation is not None  # set by the warm-up of a run that finished
-    summary = summarize(results, options, time.perf_counter() - started, run.model_id, run.dilation)
+    summary = summarize(results, options, wall_s, run.model_id, run.dilation)
     summary["sim_check"] = sim_check(
         deployment,
         results,
@@ -144,6 +171,8 @@ def demo_command(
     if device_kv_capacity is not None:
         summary["kv_tiers"] = tiers_json(device_kv_capacity, results)
     pool = adp_json(run.adp_report, results, without_adp) if run.adp_report is not None else None
+    if pool is not None and pairs is not None:
+        pool.update(pairs_json(pairs))
     if as_json:
         payload = {
             "requests": [request_json(r) for r in results],
@@ -159,6 +188,8 @@ def demo_command(
         out.print(summary_text(summary))
         if pool is not None:
             out.print(adp_text(pool))
+            if "pairs" in pool:
+                out.print(pairs_text(pool))
         if "kv_tiers" in summary:
             out.print(tiers_text(summary["kv_tiers"]))
     if not summary["all_tokens_identical"]:
@@ -196,6 +227,51 @@ def _run_vllm(
         )
     if not summary["all_tokens_identical"]:
         raise typer.Exit(1)
+
+
+class _Compared(NamedTuple):
+    run: DemoRun  #: the run shown: the first with the pool
+    results: list[RequestResult]
+    off: list[RequestResult]  #: the run without the pool in the shown run's pair
+    runs: list[PairedRun]  #: every timed run
+    wall_s: float  #: the shown run's
+
+
+def _run_pairs(
+    options: DemoOptions, deployment: Deployment, repeats: int, warmup_run: bool
+) -> _Compared:
+    """``--adp both``: ``repeats`` pairs in alternating order (docs/adp.md, "Live burst"),
+    after an optional untimed run; every run keeps the dilation of the first."""
+    from topkv.demo.adaptive import PairedRun, pair_orders
+    from topkv.demo.runner import DemoRun
+
+    shared = None
+    if warmup_run:
+        first = DemoRun(replace(options, adp=False), stand_in=deployment.stand_in)
+        _run_live(first, "warm-up run: ")
+        shared = first.dilation
+    runs: list[PairedRun] = []
+    shown: tuple[DemoRun, list[RequestResult], float] | None = None
+    off: list[RequestResult] = []
+    for pair, order in enumerate(pair_orders(repeats)):
+        for with_adp in order:
+            run = DemoRun(replace(options, adp=with_adp), stand_in=deployment.stand_in)
+            run.reuse_dilation = shared
+            load, started = os.getloadavg()[0], time.perf_counter()
+            label = f"pair {pair + 1}/{repeats}, {'with' if with_adp else 'without'} the ADP: "
+            results = _run_live(run, label)
+            assert run.dilation is not None and run.warmup is not None
+            shared = run.dilation
+            runs.append(
+                PairedRun(pair, with_adp, results, run.adp_report, run.dilation.factor,
+                          run.warmup.kv_bytes_per_prefill_s, (load, os.getloadavg()[0]))
+            )  # fmt: skip
+            if with_adp and shown is None:
+                shown = (run, results, time.perf_counter() - started)
+            elif not with_adp and pair == 0:
+                off = results
+    assert shown is not None
+    return _Compared(shown[0], shown[1], off, runs, shown[2])
 
 
 def _run_live(run: DemoRun, label: str) -> list[RequestResult]:

@@ -20,8 +20,9 @@ TTFT target (an SLO on real compute time, which the replay does not compress) st
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from topkv.demo.measure import quantile
@@ -135,4 +136,89 @@ def adp_text(adp: dict[str, Any]) -> str:
         off = adp["without_adp"]["ttft_p90_ms"]
         line += f"; without (same requests): {off:.0f} ms" if off is not None else ""
     lines.append(line)
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class PairedRun:
+    """One timed run of an ADP comparison (``--adp both``): its place, pool and host."""
+
+    pair: int  #: 0-based pair index
+    adp: bool
+    results: Sequence[RequestResult]
+    report: dict[str, object] | None  #: the pool's report (ADP on), else None
+    dilation: float
+    kv_bytes_per_prefill_s: float  #: its warm-up's KV production rate (host speed)
+    load: tuple[float, float]  #: 1-minute load average at its start and end
+
+
+def pair_orders(repeats: int) -> list[tuple[bool, bool]]:
+    """The ADP flag of each pair's two runs: off-on, on-off, off-on, ... (ABBA for 2)."""
+    return [(False, True) if i % 2 == 0 else (True, False) for i in range(repeats)]
+
+
+def _median(values: Sequence[float | None]) -> float | None:
+    known = sorted(v for v in values if v is not None)
+    return round(statistics.median(known), 3) if known else None
+
+
+def pairs_json(runs: Sequence[PairedRun]) -> dict[str, Any]:
+    """Every run of the comparison, the p90 medians over all pairs and by order, and
+    whether the median with the pool is lower (the ``"pairs"`` part of ``"adp"``)."""
+
+    def run_json(r: PairedRun) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "adp": r.adp,
+            "ttft_p90_ms": ttft_p90_ms(r.results),
+            "dilation": r.dilation,
+            "kv_bytes_per_prefill_s": round(r.kv_bytes_per_prefill_s, 1),
+            "load": list(r.load),
+        }
+        if r.report is not None:
+            out["conversions"] = r.report["conversions"]
+            out["rush_periods"] = r.report["rush_periods"]
+        return out
+
+    pairs = sorted({r.pair for r in runs})
+    listed = []
+    by_order: dict[str, dict[str, list[float | None]]] = {}
+    for pair in pairs:
+        these = [r for r in runs if r.pair == pair]
+        order = "-".join("on" if r.adp else "off" for r in these)
+        listed.append({"order": order, "runs": [run_json(r) for r in these]})
+        side = by_order.setdefault(order, {"off": [], "on": []})
+        for r in these:
+            side["on" if r.adp else "off"].append(ttft_p90_ms(r.results))
+    off = _median([ttft_p90_ms(r.results) for r in runs if not r.adp])
+    on = _median([ttft_p90_ms(r.results) for r in runs if r.adp])
+    return {
+        "pairs": listed,
+        "by_order": {
+            order: {f"{k}_ttft_p90_ms": _median(v) for k, v in sides.items()}
+            for order, sides in by_order.items()
+        },
+        "median": {"off_ttft_p90_ms": off, "on_ttft_p90_ms": on},
+        "median_lower_with_adp": off is not None and on is not None and on < off,
+    }
+
+
+def pairs_text(pairs: dict[str, Any]) -> str:
+    """The comparison's lines of the text summary (one per run, then the medians)."""
+
+    def ms(v: float | None) -> str:
+        return f"{v:.0f} ms" if v is not None else "-"
+
+    lines = ["ADP off/on pairs (TTFT p90):"]
+    for i, p in enumerate(pairs["pairs"]):
+        cells = []
+        for r in p["runs"]:
+            conv = f", {len(r['conversions'])} conversion(s)" if "conversions" in r else ""
+            cells.append(f"{'on' if r['adp'] else 'off'} {ms(r['ttft_p90_ms'])}{conv}")
+        lines.append(f"  pair {i} ({p['order']}): " + "; ".join(cells))
+    for order, m in pairs["by_order"].items():
+        lines.append(
+            f"  {order} median: off {ms(m['off_ttft_p90_ms'])}, on {ms(m['on_ttft_p90_ms'])}"
+        )
+    med = pairs["median"]
+    lines.append(f"  median: off {ms(med['off_ttft_p90_ms'])}, on {ms(med['on_ttft_p90_ms'])}")
     return "\n".join(lines)

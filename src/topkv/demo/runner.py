@@ -173,6 +173,9 @@ class DemoRun:
             raise DemoError("give --dilation or a stand-in deployment to derive it from")
         #: Set by the warm-up, before the timed phase.
         self.dilation: Dilation | None = None
+        #: Given (a run of an ADP comparison after its first): the warm-up still runs, but
+        #: the links keep this dilation, so every run of the comparison is paced alike.
+        self.reuse_dilation: Dilation | None = None
         self.warmup: WarmUp | None = None
         self.states = {r.rid: RequestState(r) for r in self.requests}
         self.phase = "starting workers"
@@ -314,7 +317,7 @@ class DemoRun:
             prompt_len=lengths[len(lengths) // 2],
             seed=self.options.seed,
         )
-        self.dilation = resolve_dilation(
+        self.dilation = self.reuse_dilation or resolve_dilation(
             self.options.dilation,
             self.stand_in,
             self.warmup.kv_bytes_per_prefill_s,
