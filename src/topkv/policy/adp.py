@@ -45,7 +45,11 @@ Pieces:
   the converted worker adds. Where decode slots are plentiful (hundreds per instance in
   the simulator) this never binds; with the demo's 2 slots per decode worker it forbids
   converting one of two in a rush (2 slots left, at least 2 in use: one per busy
-  prefill worker).
+  prefill worker). Where the caller reports decode KV memory, two more rules weigh it
+  (:mod:`topkv.policy.adp_memory`): the *KV projection* (convert only if the decode KV in
+  use, scaled by the prefill pool's growth, fits what the open decode workers hold; checked
+  again for a fenced worker) and the *decode-bound return* (in a rush, requests waiting
+  while a prefill worker idles for want of decode room turn converted workers back).
 * Chunked prefill on a converted worker: ``chunk_tokens`` (512) per iteration, with
   ``decode_reserve`` (30%) of its decode slots kept for the sequences it was decoding,
   so a converted worker never abandons them (:meth:`ADPConfig.reserved_slots`).
@@ -61,6 +65,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from topkv.policy.adp_memory import decode_bound, kv_fits
 from topkv.policy.clock import Clock
 from topkv.policy.errors import PolicyInputError
 
@@ -337,6 +342,10 @@ class WorkerView:
     healthy: bool = True
     #: Chosen for conversion: no new KV is routed to it while its KV is acknowledged.
     fenced: bool = False
+    #: Decode KV memory reserved on it and its capacity, in any one unit (bytes in the
+    #: simulator); capacity 0: not reported (the KV rules of :mod:`adp_memory` are off).
+    kv_used: float = 0.0
+    kv_capacity: float = 0.0
 
     @property
     def converted(self) -> bool:
@@ -413,6 +422,7 @@ def plan_conversions(
     pressure: bool,
     config: ADPConfig = DEFAULT_ADP,
     may_convert: bool = True,
+    decode_blocked: bool = False,
 ) -> ConversionPlan:
     """The conversion plan for this update (pure; see the module docstring).
 
@@ -425,7 +435,10 @@ def plan_conversions(
     ones, and it is converted once the ones it has drained to the reserve. A worker is
     chosen only while the decode workers left open keep more slots than
     :func:`decode_in_use` (decode headroom, module docstring); a fenced worker's slots no
-    longer count.
+    longer count. With decode KV memory reported, a worker is chosen (and a fenced one
+    converted) only if :func:`~topkv.policy.adp_memory.kv_fits`; ``decode_blocked`` (requests
+    wait while a prefill worker idles, for want of decode KV room) turns the plan around in
+    a rush: converted workers back, fenced ones open, nobody new (:mod:`adp_memory`).
     """
     natives = [w for w in workers if w.native == "decode"]
     converted = [w for w in natives if w.converted]
@@ -439,12 +452,33 @@ def plan_conversions(
             unfence=tuple(sorted(w.worker_id for w in fenced)),
             rationale="rush over: converting back" if converted or fenced else "",
         )
+    if decode_blocked:
+        ret = decode_bound(converted) if may_convert else None
+        return ConversionPlan(
+            to_decode=(ret.worker_id,) if ret is not None else (),
+            unfence=tuple(sorted(w.worker_id for w in fenced)),
+            rationale=(
+                "rush, decode-bound (requests wait for decode KV room while prefill idles): "
+                + (f"converting {ret.worker_id} back" if ret is not None else "converting none")
+            ),
+        )
     cap = convert_cap(len(natives), config)
-    ready = [w for w in fenced if convertible(w, config)]
+    ready: list[WorkerView] = []
+    reopen: list[WorkerView] = []
+    for w in fenced:
+        if not convertible(w, config):
+            continue
+        # checked again: the load may have grown since it was chosen (already fenced, so
+        # its capacity is out of the open pool; only the prefill growth is new)
+        if kv_fits(workers, 0.0, len(ready) + 1):
+            ready.append(w)
+        else:
+            reopen.append(w)
     room = cap - len(converted) - len(fenced)
     new: list[WorkerView] = []
     in_use, left = decode_in_use(natives), decode_slots_open(natives)
-    short = False
+    short = kv_short = False
+    removed_kv = 0.0
     if pressure and may_convert and room > 0:
         # idle first, then least loaded, then fewest KV in flight, then id (deterministic)
         pool = sorted(
@@ -457,8 +491,12 @@ def plan_conversions(
             if left - w.decode_slots <= in_use:  # no gain: decode would be the bottleneck
                 short = True
                 continue
+            if not kv_fits(workers, removed_kv + w.kv_capacity, len(ready) + len(new) + 1):
+                kv_short = True  # the projected decode KV would not fit (adp_memory)
+                continue
             new.append(w)
             left -= w.decode_slots
+            removed_kv += w.kv_capacity
     to_prefill = [*ready, *(w for w in new if convertible(w, config))]
     fence = [w for w in new if not convertible(w, config)]
     total = len(converted) + len(to_prefill)
@@ -466,6 +504,8 @@ def plan_conversions(
         why = f"rush: converting {len(to_prefill)}, fencing {len(fence)} ({total}/{cap})"
     elif room <= 0:
         why = f"rush: at the cap ({len(converted)} converted, {len(fenced)} fenced of {cap})"
+    elif kv_short:
+        why = "rush: holding, the projected decode KV would not fit the decode pool left"
     elif short:
         why = (
             f"rush: holding, no decode headroom ({in_use} decode slots in use, {left} open; "
@@ -476,7 +516,8 @@ def plan_conversions(
     return ConversionPlan(
         to_prefill=tuple(w.worker_id for w in to_prefill),
         fence=tuple(w.worker_id for w in fence),
-        rationale=why,
+        unfence=tuple(sorted(w.worker_id for w in reopen)),
+        rationale=why if not reopen else f"{why}; reopening {len(reopen)} fenced (KV)",
     )
 
 
@@ -503,8 +544,12 @@ class AdaptiveDecoderPool:
     def observe_ttft(self, seconds: float) -> None:
         self.detector.observe_ttft(seconds)
 
-    def update(self, queue_depth: int, workers: Sequence[WorkerView]) -> ConversionPlan:
-        """Advance the detector with ``queue_depth`` and plan for ``workers``."""
+    def update(
+        self, queue_depth: int, workers: Sequence[WorkerView], decode_blocked: bool = False
+    ) -> ConversionPlan:
+        """Advance the detector with ``queue_depth`` and plan for ``workers``;
+        ``decode_blocked``: requests wait while a prefill worker is idle, for want of
+        decode KV room (:func:`~topkv.policy.adp_memory.decode_bound`)."""
         self.detector.update(queue_depth)
         now = self.clock.now()
         plan = plan_conversions(
@@ -513,8 +558,9 @@ class AdaptiveDecoderPool:
             self.detector.pressure,
             self.config,
             may_convert=now - self._last_convert >= self.config.convert_interval_s,
+            decode_blocked=decode_blocked,
         )
-        if plan.to_prefill or plan.fence:
+        if plan.to_prefill or plan.fence or (self.detector.in_rush and plan.to_decode):
             self._last_convert = now
         self.conversions += len(plan.to_prefill) + len(plan.to_decode)
         return plan

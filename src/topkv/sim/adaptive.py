@@ -186,6 +186,8 @@ class AdpDriver:
                     unacked_kv=d.pending + self.out_pending.get(iid, 0),
                     prefilling=iid in self.prefilling or (conv and iid not in self.ready),
                     fenced=iid in self.fenced,
+                    kv_used=d.reserved,
+                    kv_capacity=d.capacity,
                 )
             )
         return out
@@ -193,7 +195,10 @@ class AdpDriver:
     def _tick(self) -> None:
         host = self.host
         now = host.loop.now()
-        plan = self.pool.update(len(host.queue), self.views())
+        # the dispatcher leaves a request queued with a prefill instance idle only when no
+        # open decode instance has KV room for it
+        blocked = bool(host.queue) and bool(host.idle)
+        plan = self.pool.update(len(host.queue), self.views(), decode_blocked=blocked)
         self._apply(plan)
         self.series.append((now, self.prefill_workers, len(host.queue)))
         busy = (
