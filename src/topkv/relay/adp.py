@@ -208,33 +208,15 @@ class LiveAdaptivePool:
         return plan
 
     def _apply(self, plan: ConversionPlan) -> None:
-        stage = self.stage
-        for wid in plan.fence:
-            if wid not in stage:
-                stage[wid] = "fenced"
-                self._fenced_at[wid] = self.timer.now()
-                self.orchestrator.fence(wid)
-        for wid in plan.unfence:
-            if stage.get(wid) == "fenced":
-                del stage[wid]
-                self._fenced_at.pop(wid, None)
-                self.orchestrator.fence(wid, False)
-        for wid in plan.to_prefill:
-            if stage.get(wid) in (None, "fenced"):
-                stage[wid] = "converting"
-                self.orchestrator.fence(wid)
-                self._start(wid, "decode", "prefill")
-        if self.pool.in_rush:  # a new rush: drained workers serve prefill again
-            for wid, now in list(stage.items()):
-                if now == "draining":
-                    stage[wid] = "converted"
-        for wid in plan.drain:
-            if stage.get(wid) == "converted":
-                stage[wid] = "draining"
-        for wid in plan.to_decode:
-            if stage.get(wid) in ("converted", "draining"):
-                stage[wid] = "returning"
-                self._start(wid, "prefill", "decode")
+        apply_plan(
+            plan,
+            self.stage,
+            self._fenced_at,
+            in_rush=self.pool.in_rush,
+            now=self.timer.now(),
+            start=self._start,
+            fence=self.orchestrator.fence,
+        )
 
     def _gauges(self) -> None:
         m = self.metrics
@@ -389,3 +371,51 @@ class LiveAdaptivePool:
             with contextlib.suppress(asyncio.CancelledError):
                 await ticker
         await self.settle(self.registry_wait_s + 35.0)
+
+
+def _no_fence(worker_id: str, fenced: bool = True) -> None:
+    """A pool whose picker reads the stages itself needs no separate fence."""
+
+
+def apply_plan(
+    plan: ConversionPlan,
+    stage: dict[str, Stage],
+    fenced_at: dict[str, float],
+    *,
+    in_rush: bool,
+    now: float,
+    start: Callable[[str, Role, Role], None],
+    fence: Callable[..., object] = _no_fence,
+) -> None:
+    """Move each worker named by ``plan`` to its next stage; the one stage machine of the
+    orchestrator's pool and the vLLM front door's.
+
+    ``fence(worker_id)`` / ``fence(worker_id, False)`` tells the caller's router to stop or
+    resume sending a worker decode work; ``start(worker_id, from_role, to_role)`` begins a
+    conversion (its stage is already ``converting`` or ``returning``)."""
+    for wid in plan.fence:
+        if wid not in stage:
+            stage[wid] = "fenced"
+            fenced_at[wid] = now
+            fence(wid)
+    for wid in plan.unfence:
+        if stage.get(wid) == "fenced":
+            del stage[wid]
+            fenced_at.pop(wid, None)
+            fence(wid, False)
+    for wid in plan.to_prefill:
+        if stage.get(wid) in (None, "fenced"):
+            stage[wid] = "converting"
+            fence(wid)
+            start(wid, "decode", "prefill")
+    if in_rush:  # a new rush: drained workers serve prefill again
+        for wid, now_stage in list(stage.items()):
+            if now_stage == "draining":
+                stage[wid] = "converted"
+    for wid in plan.drain:
+        if stage.get(wid) == "converted":
+            stage[wid] = "draining"
+    for wid in plan.to_decode:
+        if stage.get(wid) in ("converted", "draining"):
+            stage[wid] = "returning"
+            start(wid, "prefill", "decode")

@@ -51,7 +51,7 @@ from prometheus_client import CollectorRegistry
 from topkv.errors import ConfigError, TopKVError
 from topkv.policy.adp import DEFAULT_ADP, AdaptiveDecoderPool, ADPConfig, ConversionPlan, WorkerView
 from topkv.policy.clock import Clock, MonotonicClock
-from topkv.relay.adp import Conversion, ConversionFailed, Stage
+from topkv.relay.adp import Conversion, ConversionFailed, Stage, apply_plan
 from topkv.relay.metrics import AdpMetrics
 from topkv.relay.registry_base import WorkerRegistry
 from topkv.relay.workers import Role, WorkerInfo
@@ -292,30 +292,14 @@ class FrontDoorADP:
         return plan
 
     def _apply(self, plan: ConversionPlan) -> None:
-        stage = self.stage
-        for wid in plan.fence:
-            if wid not in stage:
-                stage[wid] = "fenced"
-                self._fenced_at[wid] = self.timer.now()
-        for wid in plan.unfence:
-            if stage.get(wid) == "fenced":
-                del stage[wid]
-                self._fenced_at.pop(wid, None)
-        for wid in plan.to_prefill:
-            if stage.get(wid) in (None, "fenced"):
-                stage[wid] = "converting"
-                self._start(wid, "decode", "prefill")
-        if self.pool.in_rush:  # a new rush: drained instances serve prefill again
-            for wid, now in list(stage.items()):
-                if now == "draining":
-                    stage[wid] = "converted"
-        for wid in plan.drain:
-            if stage.get(wid) == "converted":
-                stage[wid] = "draining"
-        for wid in plan.to_decode:
-            if stage.get(wid) in ("converted", "draining"):
-                stage[wid] = "returning"
-                self._start(wid, "prefill", "decode")
+        apply_plan(
+            plan,
+            self.stage,
+            self._fenced_at,
+            in_rush=self.pool.in_rush,
+            now=self.timer.now(),
+            start=self._start,
+        )
 
     def _reconcile(self) -> None:
         """A moved instance whose record shows another role (it registered again with its
