@@ -107,7 +107,32 @@ class Conversion:
         return dict(zip(REPORT_KEYS, values, strict=True))
 
 
-class LiveAdaptivePool:
+class ConversionTasks:
+    """What a live pool runs in the background (its conversions and its ticker) and how it
+    stops: the orchestrator's :class:`LiveAdaptivePool` and the vLLM front door's pool."""
+
+    _tasks: set[asyncio.Task[None]]
+    _ticker: asyncio.Task[None] | None
+    registry_wait_s: float
+    #: how long :meth:`close` waits past ``registry_wait_s`` for a conversion in progress
+    close_grace_s: float = 35.0
+
+    async def settle(self, timeout_s: float = 30.0) -> None:
+        """Wait for the conversions in progress to finish (or fail)."""
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=timeout_s)
+
+    async def close(self) -> None:
+        """Stop ticking and wait (bounded) for conversions in progress."""
+        ticker, self._ticker = self._ticker, None
+        if ticker is not None:
+            ticker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await ticker
+        await self.settle(self.registry_wait_s + self.close_grace_s)
+
+
+class LiveAdaptivePool(ConversionTasks):
     """The ADP applied to one running :class:`Orchestrator` (module docstring).
 
     ``clock`` drives the policy and stamps ``at_ms`` and the rush periods (default the
@@ -357,20 +382,6 @@ class LiveAdaptivePool:
             if acting is None or acting():
                 await self.tick()
             await asyncio.sleep(tick_s)
-
-    async def settle(self, timeout_s: float = 30.0) -> None:
-        """Wait for the conversions in progress to finish (or fail)."""
-        if self._tasks:
-            await asyncio.wait(set(self._tasks), timeout=timeout_s)
-
-    async def close(self) -> None:
-        """Stop ticking and wait (bounded) for conversions in progress."""
-        ticker, self._ticker = self._ticker, None
-        if ticker is not None:
-            ticker.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await ticker
-        await self.settle(self.registry_wait_s + 35.0)
 
 
 def _no_fence(worker_id: str, fenced: bool = True) -> None:

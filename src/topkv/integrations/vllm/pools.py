@@ -38,7 +38,6 @@ with its native role (its lease ran out) is rewritten again at the next tick.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 from collections import Counter
@@ -51,7 +50,7 @@ from prometheus_client import CollectorRegistry
 from topkv.errors import ConfigError, TopKVError
 from topkv.policy.adp import DEFAULT_ADP, AdaptiveDecoderPool, ADPConfig, ConversionPlan, WorkerView
 from topkv.policy.clock import Clock, MonotonicClock
-from topkv.relay.adp import Conversion, ConversionFailed, Stage, apply_plan
+from topkv.relay.adp import Conversion, ConversionFailed, ConversionTasks, Stage, apply_plan
 from topkv.relay.metrics import AdpMetrics
 from topkv.relay.registry_base import WorkerRegistry
 from topkv.relay.workers import Role, WorkerInfo
@@ -195,11 +194,13 @@ class Ticket:
         self._adp = None
 
 
-class FrontDoorADP:
+class FrontDoorADP(ConversionTasks):
     """The ADP over the front door's instances (module docstring).
 
     ``movable``: the ids of the ``kv_both`` instances (native decode). ``clock`` drives the
     policy, ``timer`` measures the moves (both monotonic by default)."""
+
+    close_grace_s = 5.0  # a move is a registry write, no worker restarts
 
     def __init__(
         self,
@@ -434,18 +435,6 @@ class FrontDoorADP:
             except TopKVError as exc:  # a bad observation: the next tick tries again
                 log.warning("router adp: %s", exc)
             await asyncio.sleep(tick_s)
-
-    async def settle(self, timeout_s: float = 30.0) -> None:
-        if self._tasks:
-            await asyncio.wait(set(self._tasks), timeout=timeout_s)
-
-    async def close(self) -> None:
-        ticker, self._ticker = self._ticker, None
-        if ticker is not None:
-            ticker.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await ticker
-        await self.settle(self.registry_wait_s + 5.0)
 
 
 @dataclass(frozen=True)
