@@ -248,6 +248,12 @@ def worker_command(
         "the worker then reports expert statistics (docs/moe.md)",
     ),
     torch_threads: int = typer.Option(0, help="--engine hf: torch threads (0: torch's default)"),
+    compute_pace: float | None = typer.Option(
+        None,
+        help="--engine hf, --torch-threads 1: hold every engine turn until C x its CPU time "
+        "passed, so the worker computes as its own device (emulation; docs/demo.md)",
+        show_default=False,
+    ),
     media: str = typer.Option("", help=MEDIA_HELP),
     token_file: Path | None = token_file_option(
         f"this worker's worker token, to register with the orchestrator (default: "
@@ -279,6 +285,8 @@ def worker_command(
     engine_spec = _engine_spec(engine, model_path, demo_model, torch_threads)
     if demo_moe_experts:
         engine_spec = dataclasses.replace(engine_spec, demo_experts=demo_moe_experts)
+    if compute_pace is not None:
+        engine_spec = dataclasses.replace(engine_spec, compute_pace=compute_pace)
     offered = parse_media(media)
     resolve_media(offered, shm=shm)  # exits 2 naming a medium this host lacks
     if secret_file is not None:

@@ -27,7 +27,9 @@ own threads (``threads`` of them): an unchunked prefill, a reference generation 
 each take one turn; a chunked prefill (a converted decode worker) takes one turn per chunk,
 and a decode lets a waiting chunk go between its steps, so the decode sequences a converted
 worker keeps go on decoding between its prefill's chunks instead of waiting for the whole
-prompt.
+prompt. With a compute pace (``--compute-pace C``, :mod:`topkv.service.engine_pace`) every
+turn is held until C times its own CPU time passed, so the worker computes as its own
+device would, whatever other processes share the host's cores.
 """
 
 from __future__ import annotations
@@ -45,6 +47,13 @@ import numpy as np
 
 from topkv.engine.spec import KVModelSpec
 from topkv.errors import ConfigError
+from topkv.service.engine_pace import (
+    ComputePacer,
+    PaceCollector,
+    PaceMark,
+    check_pace,
+    check_torch_threads,
+)
 from topkv.service.errors import ServiceError
 from topkv.service.kvstore import HeldKV, synthetic_layers
 from topkv.service.messages import PrefillRequest
@@ -52,6 +61,8 @@ from topkv.transport.base import KVLayout, LayerTensors
 from topkv.wire import crc64
 
 if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
     from topkv.engine import DemoModelConfig
 
 #: ``publish(layer_index, tensors, crcs)``: one finished layer.
@@ -104,13 +115,19 @@ class EngineTurns:
     and whoever asked before it go first, then the holder continues. ``started_s`` is the
     time the calling thread's current call first got the model (None before; ``begin()``
     starts a call), so an engine call's time excludes its wait for the model.
+
+    ``pacer`` (paced compute, :mod:`topkv.service.engine_pace`): each span the model is
+    held, from a take to the next give (a pass, a chunk, a decode's steps between yields),
+    is one paced turn, held before the model is given back; :meth:`pace_layer` holds a
+    layer inside one. None: no hold (the default).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, pacer: ComputePacer | None = None) -> None:
         self._cond = threading.Condition()
         self._queue: deque[tuple[object, str]] = deque()
         self._busy = False
         self._local = threading.local()
+        self.pacer = pacer
 
     def _take(self, kind: str) -> None:
         me = object()
@@ -121,12 +138,18 @@ class EngineTurns:
             self._busy = True
         if getattr(self._local, "started_s", None) is None:
             self._local.started_s = time.perf_counter()
+        if self.pacer is not None:
+            self._local.mark = self.pacer.start()
 
     def begin(self) -> None:
         """A new engine call on this thread: its start is its first turn's."""
         self._local.started_s = None
 
     def _give(self) -> None:
+        mark: PaceMark | None = getattr(self._local, "mark", None)
+        if self.pacer is not None and mark is not None:
+            self._local.mark = None
+            self.pacer.end(mark)  # still holding the model: the emulated device is busy
         with self._cond:
             self._busy = False
             self._cond.notify_all()
@@ -138,6 +161,13 @@ class EngineTurns:
             yield
         finally:
             self._give()
+
+    def pace_layer(self) -> None:
+        """Inside a turn: with a pacer, wait until C times the turn's CPU time so far passed
+        (a layer is published when the emulated device would have made it)."""
+        mark: PaceMark | None = getattr(self._local, "mark", None)
+        if self.pacer is not None and mark is not None:
+            self.pacer.hold(mark)
 
     def waiting(self, kind: str) -> int:
         """Calls of ``kind`` waiting for a turn."""
@@ -205,6 +235,9 @@ class EngineSpec:
     #: with N experts, top-2 (:func:`topkv.engine.moe.build_demo_moe_model`), whose workers
     #: report expert statistics in their heartbeats.
     demo_experts: int = 0
+    #: Paced compute (``--compute-pace C``, :mod:`topkv.service.engine_pace`): every engine
+    #: turn lasts C times its own CPU time; None: off. Needs ``torch_threads`` 1.
+    compute_pace: float | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in ("synthetic", "hf"):
@@ -220,6 +253,14 @@ class EngineSpec:
             raise ConfigError(f"--torch-threads must be >= 0, got {self.torch_threads}")
         if self.demo_experts and (self.demo_seed is None or self.demo_experts < 2):
             raise ConfigError("an MoE demo needs --demo-model SEED and at least 2 experts")
+        check_pace(self.compute_pace)
+        if self.compute_pace is not None and self.kind != "hf":
+            raise ConfigError("--compute-pace paces a model's compute: it needs --engine hf")
+        if self.compute_pace is not None and self.torch_threads != 1:
+            raise ConfigError(
+                "--compute-pace counts the engine thread's CPU time, so torch must compute on "
+                f"that thread alone: give --torch-threads 1 (got {self.torch_threads})"
+            )
 
     def cli_args(self) -> list[str]:
         """The ``topkv worker`` flags that select this engine."""
@@ -232,6 +273,8 @@ class EngineSpec:
             args += ["--demo-moe-experts", str(self.demo_experts)]
         if self.torch_threads:
             args += ["--torch-threads", str(self.torch_threads)]
+        if self.compute_pace is not None:
+            args += ["--compute-pace", repr(self.compute_pace)]
         return args
 
 
@@ -296,7 +339,9 @@ class HfEngine:
     serial = True
     threads = ENGINE_THREADS
 
-    def __init__(self, loaded: Any, torch_threads: int = 0) -> None:
+    def __init__(
+        self, loaded: Any, torch_threads: int = 0, compute_pace: float | None = None
+    ) -> None:
         from topkv import engine
 
         self.loaded = loaded
@@ -313,7 +358,8 @@ class HfEngine:
         self.torch_threads = torch_threads
         self._prefill = engine.PrefillRunner(loaded)
         self._decode = engine.DecodeRunner(loaded)
-        self.turns = EngineTurns()  # one forward pass at a time (hooks are per model)
+        pacer = ComputePacer(compute_pace) if compute_pace is not None else None
+        self.turns = EngineTurns(pacer)  # one forward pass at a time (hooks are per model)
         from topkv.engine.moe import ExpertRecorder, moe_shape
 
         #: An MoE model's per-expert statistics (service.engine_experts reports them).
@@ -328,6 +374,10 @@ class HfEngine:
             import torch
 
             torch.set_num_threads(spec.torch_threads)
+        if spec.compute_pace is not None:  # the turn's CPU time must be all its compute
+            import torch
+
+            check_torch_threads(torch.get_num_threads())
         if spec.model_path is not None:
             loaded = engine.load_model(spec.model_path)
         else:
@@ -339,10 +389,10 @@ class HfEngine:
                 loaded = build_demo_moe_model(config, spec.demo_seed, spec.demo_experts)
             else:
                 loaded = engine.build_demo_model(config, spec.demo_seed)
-        return cls(loaded, spec.torch_threads)
+        return cls(loaded, spec.torch_threads, spec.compute_pace)
 
     def describe(self) -> dict[str, object]:
-        return {
+        described: dict[str, object] = {
             "engine": self.name,
             "model_id": self.model_id,
             "source": self.loaded.source,
@@ -352,6 +402,9 @@ class HfEngine:
             "dtype": WIRE_DTYPES[self.spec["dtype"]],
             "vocab_size": self.vocab_size,
         }
+        if self.turns.pacer is not None:  # paced compute: its pace, turns and overruns
+            described["compute_pace"] = self.turns.pacer.describe()
+        return described
 
     def layout(self, prompt_len: int) -> KVLayout:
         return wire_layout(self.spec, prompt_len)
@@ -390,7 +443,9 @@ class HfEngine:
         def on_layer(index: int, k: Any, v: Any) -> None:
             k_np, v_np = layer_to_numpy(k, v)
             tensors = (_bytes_of(k_np), _bytes_of(v_np))
-            publish(index, tensors, tuple(crc64(t) for t in tensors))
+            crcs = tuple(crc64(t) for t in tensors)
+            self.turns.pace_layer()  # paced compute: the layer is out when the device made it
+            publish(index, tensors, crcs)
 
         self.turns.begin()
         if plan.chunk_tokens is None:  # one pass, one turn
@@ -447,3 +502,9 @@ class HfEngine:
 
     def close(self) -> None:
         return None
+
+
+def register_pace_metrics(registry: CollectorRegistry, engine: WorkerEngine) -> None:
+    """A paced engine's turns and overruns on the worker's ``GET /metrics`` (none else)."""
+    if isinstance(engine, HfEngine) and engine.turns.pacer is not None:
+        registry.register(PaceCollector(engine.turns.pacer))

@@ -47,6 +47,7 @@ from topkv.service.engines import (
     PrefillPlan,
     WorkerEngine,
     build_engine,
+    register_pace_metrics,
 )
 from topkv.service.errors import ServiceError
 from topkv.service.fencing import EpochFence
@@ -173,6 +174,7 @@ class WorkerService:
         cfg = self.config
         advertise = self._advertise
         self.engine = await asyncio.to_thread(build_engine, cfg.engine)
+        register_pace_metrics(self.tiers.registry, self.engine)  # --compute-pace: /metrics
         if self.engine.serial:
             self._compute = ThreadPoolExecutor(self.engine.threads, f"engine-{self.worker_id}")
         media = self.offer.media

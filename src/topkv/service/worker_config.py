@@ -95,6 +95,8 @@ class WorkerConfig:
     capabilities: WorkerCapabilities = field(default_factory=WorkerCapabilities)
     ready_file: Path | None = None
     faults: WorkerFaults = field(default_factory=WorkerFaults.from_env)
+    #: The engine it hosts, with its compute pace (``--compute-pace C``: every engine turn
+    #: held to C x its CPU time, :mod:`topkv.service.engine_pace`; None: real compute).
     engine: EngineSpec = field(default_factory=EngineSpec)
     #: Real media to offer (see :mod:`topkv.service.worker_media`); None: every one
     #: installed here (shm only when ``capabilities.shm``).
