@@ -36,9 +36,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from topkv.errors import TopKVError
 from topkv.policy.adp import (
@@ -58,7 +58,7 @@ from topkv.relay.workers import RegistryEvent, Role, WorkerInfo
 Stage = Literal["fenced", "converting", "converted", "draining", "returning"]
 
 #: Stages in which a native decode worker counts as serving prefill (the policy's role).
-_PREFILL_STAGES: frozenset[Stage] = frozenset({"converting", "converted", "draining", "returning"})
+PREFILL_STAGES: frozenset[Stage] = frozenset({"converting", "converted", "draining", "returning"})
 
 
 class RoleSwitcher(Protocol):
@@ -108,14 +108,49 @@ class Conversion:
 
 
 class ConversionTasks:
-    """What a live pool runs in the background (its conversions and its ticker) and how it
-    stops: the orchestrator's :class:`LiveAdaptivePool` and the vLLM front door's pool."""
+    """What the orchestrator's :class:`LiveAdaptivePool` and the vLLM front door's pool share:
+    the policy's plan applied through :func:`apply_plan`, the conversions and the ticker run
+    in the background, and how they stop. A subclass starts a conversion in :meth:`_start`
+    and, where its router keeps a fence of its own, tells it in :meth:`_fence`."""
 
+    pool: AdaptiveDecoderPool
+    timer: Clock
+    stage: dict[str, Stage]
+    _fenced_at: dict[str, float]
     _tasks: set[asyncio.Task[None]]
     _ticker: asyncio.Task[None] | None
     registry_wait_s: float
     #: how long :meth:`close` waits past ``registry_wait_s`` for a conversion in progress
     close_grace_s: float = 35.0
+
+    @property
+    def in_rush(self) -> bool:
+        return self.pool.in_rush
+
+    def _apply(self, plan: ConversionPlan) -> None:
+        apply_plan(
+            plan,
+            self.stage,
+            self._fenced_at,
+            in_rush=self.pool.in_rush,
+            now=self.timer.now(),
+            start=self._start,
+            fence=self._fence,
+        )
+
+    def _fence(self, worker_id: str, fenced: bool = True) -> None:
+        """Stop (or resume) routing new decode work to ``worker_id``; by default nothing to
+        tell: a picker that reads :attr:`stage` itself needs no separate fence."""
+
+    def _start(self, worker_id: str, from_role: Role, to_role: Role) -> None:
+        """Begin moving ``worker_id`` (its stage is already ``converting`` or ``returning``)."""
+        raise NotImplementedError
+
+    def _spawn(self, coroutine: Coroutine[Any, Any, None]) -> None:
+        """Run ``coroutine`` in the background, until it ends or :meth:`close` waits for it."""
+        task = asyncio.ensure_future(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def settle(self, timeout_s: float = 30.0) -> None:
         """Wait for the conversions in progress to finish (or fail)."""
@@ -205,7 +240,7 @@ class LiveAdaptivePool(ConversionTasks):
                 out.append(WorkerView(wid, "prefill", "prefill", 0, 0, touching[wid]))
                 continue
             stage = self.stage.get(wid)
-            as_prefill = stage in _PREFILL_STAGES
+            as_prefill = stage in PREFILL_STAGES
             out.append(
                 WorkerView(
                     wid,
@@ -232,16 +267,8 @@ class LiveAdaptivePool(ConversionTasks):
         self._gauges()
         return plan
 
-    def _apply(self, plan: ConversionPlan) -> None:
-        apply_plan(
-            plan,
-            self.stage,
-            self._fenced_at,
-            in_rush=self.pool.in_rush,
-            now=self.timer.now(),
-            start=self._start,
-            fence=self.orchestrator.fence,
-        )
+    def _fence(self, worker_id: str, fenced: bool = True) -> None:
+        self.orchestrator.fence(worker_id, fenced)
 
     def _gauges(self) -> None:
         m = self.metrics
@@ -251,14 +278,12 @@ class LiveAdaptivePool(ConversionTasks):
         ]
         m.pool.labels("prefill").set(len(self.prefill_workers()))
         m.pool.labels("decode").set(len(decode))
-        m.converted.set(sum(1 for s in self.stage.values() if s in _PREFILL_STAGES))
+        m.converted.set(sum(1 for s in self.stage.values() if s in PREFILL_STAGES))
 
     # -- conversions -------------------------------------------------------------------------
 
     def _start(self, worker_id: str, from_role: Role, to_role: Role) -> None:
-        task = asyncio.ensure_future(self._convert(worker_id, from_role, to_role))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._spawn(self._convert(worker_id, from_role, to_role))
 
     async def _convert(self, worker_id: str, from_role: Role, to_role: Role) -> None:
         at_ms = (self.clock.now() - self.origin_s) * 1000.0
@@ -345,10 +370,6 @@ class LiveAdaptivePool(ConversionTasks):
             if self.stage.get(w.worker_id) not in ("draining", "returning")
         ]
 
-    @property
-    def in_rush(self) -> bool:
-        return self.pool.in_rush
-
     def rush_periods_ms(self, now_s: float | None = None) -> list[list[float]]:
         """``[[start_ms, end_ms], ...]`` since the origin; a rush still on ends ``now``."""
         now = self.clock.now() if now_s is None else now_s
@@ -384,10 +405,6 @@ class LiveAdaptivePool(ConversionTasks):
             await asyncio.sleep(tick_s)
 
 
-def _no_fence(worker_id: str, fenced: bool = True) -> None:
-    """A pool whose picker reads the stages itself needs no separate fence."""
-
-
 def apply_plan(
     plan: ConversionPlan,
     stage: dict[str, Stage],
@@ -396,7 +413,7 @@ def apply_plan(
     in_rush: bool,
     now: float,
     start: Callable[[str, Role, Role], None],
-    fence: Callable[..., object] = _no_fence,
+    fence: Callable[..., object],
 ) -> None:
     """Move each worker named by ``plan`` to its next stage; the one stage machine of the
     orchestrator's pool and the vLLM front door's.

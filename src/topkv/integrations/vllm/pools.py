@@ -50,7 +50,13 @@ from prometheus_client import CollectorRegistry
 from topkv.errors import ConfigError, TopKVError
 from topkv.policy.adp import DEFAULT_ADP, AdaptiveDecoderPool, ADPConfig, ConversionPlan, WorkerView
 from topkv.policy.clock import Clock, MonotonicClock
-from topkv.relay.adp import Conversion, ConversionFailed, ConversionTasks, Stage, apply_plan
+from topkv.relay.adp import (
+    PREFILL_STAGES,
+    Conversion,
+    ConversionFailed,
+    ConversionTasks,
+    Stage,
+)
 from topkv.relay.metrics import AdpMetrics
 from topkv.relay.registry_base import WorkerRegistry
 from topkv.relay.workers import Role, WorkerInfo
@@ -59,9 +65,6 @@ from topkv.service.registrar import HttpRegistrar
 from topkv.service.registrations import Registrations
 
 log = logging.getLogger(__name__)
-
-#: Stages in which a movable instance serves (or is about to serve) prefill.
-_PREFILL_STAGES: frozenset[Stage] = frozenset({"converting", "converted", "draining", "returning"})
 
 
 class RoleWriter(Protocol):
@@ -274,7 +277,7 @@ class FrontDoorADP(ConversionTasks):
                 WorkerView(
                     wid,
                     "decode",
-                    "prefill" if stage in _PREFILL_STAGES else "decode",
+                    "prefill" if stage in PREFILL_STAGES else "decode",
                     self.decoding[wid],
                     info.capacity,
                     unacked_kv=self.unacked[wid],
@@ -291,16 +294,6 @@ class FrontDoorADP(ConversionTasks):
         self._reconcile()
         self._gauges()
         return plan
-
-    def _apply(self, plan: ConversionPlan) -> None:
-        apply_plan(
-            plan,
-            self.stage,
-            self._fenced_at,
-            in_rush=self.pool.in_rush,
-            now=self.timer.now(),
-            start=self._start,
-        )
 
     def _reconcile(self) -> None:
         """A moved instance whose record shows another role (it registered again with its
@@ -332,14 +325,9 @@ class FrontDoorADP(ConversionTasks):
         m.rush.set(1 if self.pool.in_rush else 0)
         m.pool.labels("prefill").set(len(self.workers("prefill")))
         m.pool.labels("decode").set(len(self.workers("decode")))
-        m.converted.set(sum(1 for s in self.stage.values() if s in _PREFILL_STAGES))
+        m.converted.set(sum(1 for s in self.stage.values() if s in PREFILL_STAGES))
 
     # -- moves -------------------------------------------------------------------------------
-
-    def _spawn(self, coroutine: Any) -> None:
-        task = asyncio.ensure_future(coroutine)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
     def _start(self, worker_id: str, from_role: Role, to_role: Role) -> None:
         self._spawn(self._move(worker_id, from_role, to_role))
@@ -402,10 +390,6 @@ class FrontDoorADP(ConversionTasks):
         self._gauges()
 
     # -- state and lifecycle -----------------------------------------------------------------
-
-    @property
-    def in_rush(self) -> bool:
-        return self.pool.in_rush
 
     def state(self) -> AdpState:
         """``GET /v1/adp`` on the front door: the orchestrator's shape (:class:`AdpState`)."""
