@@ -109,12 +109,18 @@ class Conversion:
 
 class ConversionTasks:
     """What the orchestrator's :class:`LiveAdaptivePool` and the vLLM front door's pool share:
-    the policy's plan applied through :func:`apply_plan`, the conversions and the ticker run
-    in the background, and how they stop. A subclass starts a conversion in :meth:`_start`
-    and, where its router keeps a fence of its own, tells it in :meth:`_fence`."""
+    the policy's plan applied through :func:`apply_plan`; each conversion run in the
+    background (:meth:`_convert`), timed, counted and recorded the same way; the ticker; and
+    how they stop. A subclass says how a worker is found (:meth:`_registered`) and moved
+    (:meth:`_switch`), what its gauges show (:meth:`_gauges`) and, where its router keeps a
+    fence of its own, tells it in :meth:`_fence`."""
 
     pool: AdaptiveDecoderPool
+    metrics: AdpMetrics
+    clock: Clock
     timer: Clock
+    origin_s: float
+    conversions: list[Conversion]
     stage: dict[str, Stage]
     _fenced_at: dict[str, float]
     _tasks: set[asyncio.Task[None]]
@@ -142,9 +148,74 @@ class ConversionTasks:
         """Stop (or resume) routing new decode work to ``worker_id``; by default nothing to
         tell: a picker that reads :attr:`stage` itself needs no separate fence."""
 
+    def _registered(self, worker_id: str) -> WorkerInfo | None:
+        """``worker_id``'s registration as this pool's registry shows it now."""
+        raise NotImplementedError
+
+    async def _switch(self, info: WorkerInfo, role: Role) -> float:
+        """Move ``info`` to ``role`` until the registry shows it there; returns the seconds
+        of the move's own share. Raises a :class:`~topkv.errors.TopKVError` on failure."""
+        raise NotImplementedError
+
+    def _gauges(self) -> None:
+        """Set the pool gauges (``topkv_adp_rush``, ``topkv_adp_pool_workers``, ...)."""
+        raise NotImplementedError
+
+    def _not_shown(self, worker_id: str, role: Role) -> ConversionFailed:
+        return ConversionFailed(
+            f"{worker_id} did not show up as {role} in the registry within {self.registry_wait_s} s"
+        )
+
     def _start(self, worker_id: str, from_role: Role, to_role: Role) -> None:
         """Begin moving ``worker_id`` (its stage is already ``converting`` or ``returning``)."""
-        raise NotImplementedError
+        self._spawn(self._convert(worker_id, from_role, to_role))
+
+    async def _convert(self, worker_id: str, from_role: Role, to_role: Role) -> None:
+        """One conversion: ``at_ms`` on the policy's clock, its duration (decided to shown in
+        the other pool) and how long it was fenced before on ``timer``; then its stage: back
+        to decode (unfenced), or ``converted``."""
+        at_ms = (self.clock.now() - self.origin_s) * 1000.0
+        started = self.timer.now()
+        fenced_at = self._fenced_at.pop(worker_id, None)
+        fenced_ms = 0.0 if fenced_at is None else (started - fenced_at) * 1000.0
+        try:
+            info = self._registered(worker_id)
+            if info is None:
+                raise ConversionFailed(f"{worker_id} is no longer registered")
+            own_s = await self._switch(info, to_role)
+        except TopKVError as exc:
+            self._failed(worker_id, from_role, to_role, at_ms, str(exc))
+            return
+        duration_ms = (self.timer.now() - started) * 1000.0
+        if to_role == "decode":
+            self.stage.pop(worker_id, None)
+            self._fence(worker_id, False)
+        else:
+            self.stage[worker_id] = "converted"
+        self.metrics.seconds.labels(to_role).observe(duration_ms / 1000.0)
+        self._record(
+            Conversion(worker_id, from_role, to_role, at_ms, duration_ms, own_s * 1000.0, fenced_ms)
+        )
+        self._gauges()
+
+    def _failed(
+        self, worker_id: str, from_role: Role, to_role: Role, at_ms: float, why: str
+    ) -> None:
+        self._record(Conversion(worker_id, from_role, to_role, at_ms, None, detail=why))
+        if self._registered(worker_id) is None or to_role == "prefill":
+            # gone (its registration left: what was in flight to it is rerouted), or
+            # still a decode worker: it serves decode again, the policy may retry
+            self.stage.pop(worker_id, None)
+            self._fence(worker_id, False)
+        else:  # still serving prefill: converted, to be converted back on a later tick
+            self.stage[worker_id] = "converted"
+        self._gauges()
+
+    def _record(self, conversion: Conversion) -> None:
+        """``conversion`` counted (``topkv_conversions_total`` or its failures) and kept."""
+        done = self.metrics.conversions if conversion.ok else self.metrics.failures
+        done.labels(conversion.from_role, conversion.to_role).inc()
+        self.conversions.append(conversion)
 
     def _spawn(self, coroutine: Coroutine[Any, Any, None]) -> None:
         """Run ``coroutine`` in the background, until it ends or :meth:`close` waits for it."""
@@ -282,68 +353,28 @@ class LiveAdaptivePool(ConversionTasks):
 
     # -- conversions -------------------------------------------------------------------------
 
-    def _start(self, worker_id: str, from_role: Role, to_role: Role) -> None:
-        self._spawn(self._convert(worker_id, from_role, to_role))
+    def _registered(self, worker_id: str) -> WorkerInfo | None:
+        return self.orchestrator.view.get(worker_id)
 
-    async def _convert(self, worker_id: str, from_role: Role, to_role: Role) -> None:
-        at_ms = (self.clock.now() - self.origin_s) * 1000.0
-        started = self.timer.now()
-        fenced_at = self._fenced_at.pop(worker_id, None)
-        fenced_ms = 0.0 if fenced_at is None else (started - fenced_at) * 1000.0
-        loop = asyncio.get_running_loop()
-        registered: asyncio.Future[None] = loop.create_future()
-        self._waiters[worker_id] = (to_role, registered)
+    async def _switch(self, info: WorkerInfo, role: Role) -> float:
+        """The worker converts itself (:class:`RoleSwitcher`) and re-registers; done when
+        the orchestrator's view shows it as ``role``. Returns the worker's own seconds."""
+        registered: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters[info.worker_id] = (role, registered)
         try:
-            info = self.orchestrator.view.get(worker_id)
-            if info is None:
-                raise ConversionFailed(f"{worker_id} is no longer registered")
             worker_s = await self.switcher.set_role(
                 info,
-                to_role,
+                role,
                 chunk_tokens=self.config.chunk_tokens,
                 reserved_slots=self.config.reserved_slots(info.capacity),
             )
             try:
                 await asyncio.wait_for(asyncio.shield(registered), self.registry_wait_s)
             except TimeoutError:
-                raise ConversionFailed(
-                    f"{worker_id} did not show up as {to_role} in the registry within "
-                    f"{self.registry_wait_s} s"
-                ) from None
-        except TopKVError as exc:
-            self._failed(worker_id, from_role, to_role, at_ms, str(exc))
-            return
+                raise self._not_shown(info.worker_id, role) from None
         finally:
-            self._waiters.pop(worker_id, None)
-        duration_ms = (self.timer.now() - started) * 1000.0
-        if to_role == "decode":
-            self.stage.pop(worker_id, None)
-            self.orchestrator.fence(worker_id, False)
-        else:
-            self.stage[worker_id] = "converted"
-        self.metrics.conversions.labels(from_role, to_role).inc()
-        self.metrics.seconds.labels(to_role).observe(duration_ms / 1000.0)
-        self.conversions.append(
-            Conversion(
-                worker_id, from_role, to_role, at_ms, duration_ms, worker_s * 1000.0, fenced_ms
-            )
-        )
-        self._gauges()
-
-    def _failed(
-        self, worker_id: str, from_role: Role, to_role: Role, at_ms: float, why: str
-    ) -> None:
-        self.metrics.failures.labels(from_role, to_role).inc()
-        self.conversions.append(Conversion(worker_id, from_role, to_role, at_ms, None, detail=why))
-        info = self.orchestrator.view.get(worker_id)
-        if info is None or to_role == "prefill":
-            # gone (its registration left: the orchestrator rerouted what was in flight to
-            # it), or still a decode worker: it serves decode again, the policy may retry
-            self.stage.pop(worker_id, None)
-            self.orchestrator.fence(worker_id, False)
-        else:  # still serving prefill: converted, to be converted back on a later tick
-            self.stage[worker_id] = "converted"
-        self._gauges()
+            self._waiters.pop(info.worker_id, None)
+        return worker_s
 
     def _on_event(self, event: RegistryEvent) -> None:
         waiting = self._waiters.get(event.worker_id)

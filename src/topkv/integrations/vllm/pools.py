@@ -329,39 +329,17 @@ class FrontDoorADP(ConversionTasks):
 
     # -- moves -------------------------------------------------------------------------------
 
-    def _start(self, worker_id: str, from_role: Role, to_role: Role) -> None:
-        self._spawn(self._move(worker_id, from_role, to_role))
+    def _registered(self, worker_id: str) -> WorkerInfo | None:
+        return self.registry.get(worker_id)
 
-    async def _move(self, worker_id: str, from_role: Role, to_role: Role) -> None:
-        at_ms = (self.clock.now() - self.origin_s) * 1000.0
+    async def _switch(self, info: WorkerInfo, role: Role) -> float:
+        """The instance's record rewritten with ``role`` (the :class:`RoleWriter`), done when
+        the registry the front door reads shows it; returns the write's seconds."""
         started = self.timer.now()
-        fenced_at = self._fenced_at.pop(worker_id, None)
-        fenced_ms = 0.0 if fenced_at is None else (started - fenced_at) * 1000.0
-        try:
-            info = self.registry.get(worker_id)
-            if info is None:
-                raise ConversionFailed(f"{worker_id} is no longer registered")
-            await self.writer.write(info, to_role)
-            written = self.timer.now()
-            await self._shown(worker_id, to_role)
-        except TopKVError as exc:
-            self._failed(worker_id, from_role, to_role, at_ms, str(exc))
-            return
-        duration_ms = (self.timer.now() - started) * 1000.0
-        if to_role == "decode":
-            self.stage.pop(worker_id, None)
-        else:
-            self.stage[worker_id] = "converted"
-        self.metrics.conversions.labels(from_role, to_role).inc()
-        self.metrics.seconds.labels(to_role).observe(duration_ms / 1000.0)
-        self.conversions.append(
-            Conversion(
-                worker_id, from_role, to_role, at_ms, duration_ms,
-                (written - started) * 1000.0, fenced_ms,
-            )
-        )  # fmt: skip
-        log.info("router adp: %s %s -> %s in %.1f ms", worker_id, from_role, to_role, duration_ms)
-        self._gauges()
+        await self.writer.write(info, role)
+        written = self.timer.now()
+        await self._shown(info.worker_id, role)
+        return written - started
 
     async def _shown(self, worker_id: str, role: Role) -> None:
         """Until the registry the front door reads shows ``worker_id`` as ``role``."""
@@ -371,23 +349,23 @@ class FrontDoorADP(ConversionTasks):
             if info is not None and info.role == role:
                 return
             if self.timer.now() > deadline:
-                raise ConversionFailed(
-                    f"{worker_id} did not show up as {role} in the registry within "
-                    f"{self.registry_wait_s} s"
-                )
+                raise self._not_shown(worker_id, role)
             await asyncio.sleep(0.02)
 
-    def _failed(
-        self, worker_id: str, from_role: Role, to_role: Role, at_ms: float, why: str
-    ) -> None:
-        log.warning("router adp: moving %s to %s failed: %s", worker_id, to_role, why)
-        self.metrics.failures.labels(from_role, to_role).inc()
-        self.conversions.append(Conversion(worker_id, from_role, to_role, at_ms, None, detail=why))
-        if self.registry.get(worker_id) is None or to_role == "prefill":
-            self.stage.pop(worker_id, None)  # gone, or still decode: the policy may retry
+    def _record(self, conversion: Conversion) -> None:
+        """Counted and kept (:class:`ConversionTasks`), and logged."""
+        super()._record(conversion)
+        c = conversion
+        if c.ok:
+            log.info(
+                "router adp: %s %s -> %s in %.1f ms",
+                c.worker,
+                c.from_role,
+                c.to_role,
+                c.duration_ms,
+            )
         else:
-            self.stage[worker_id] = "converted"  # still prefill: back on a later tick
-        self._gauges()
+            log.warning("router adp: moving %s to %s failed: %s", c.worker, c.to_role, c.detail)
 
     # -- state and lifecycle -----------------------------------------------------------------
 
