@@ -135,6 +135,10 @@ def test_small_demo_run_reports_every_request_identical() -> None:
     assert summary["all_tokens_identical"] is True
     assert summary["tokens_identical"] == 4
     assert summary["emulation"]["dilation"] == 1000.0
+    assert summary["emulation"]["compute"] == {  # --compute real, the default
+        "mode": "real",
+        "label": "real: every worker computes on this host's shared cores",
+    }
     _check_emulation(summary, derived=False)
     # every worker process is gone (same session as the demo) and no segment leaked
     deadline = time.monotonic() + 10
@@ -174,6 +178,7 @@ def test_derived_dilation_without_pipelining() -> None:
         (["--stand-in", "GPT-9@4x-dgx-h100"], "unknown model 'GPT-9'"),
         (["--stand-in", "Llama-3-70B@moon"], "unknown cluster 'moon'"),
         (["--dilation", "0.5"], "--dilation must be >= 1"),
+        (["--compute", "fast"], "--compute 'fast': use real or paced"),
     ],
 )
 def test_bad_options_are_named_before_any_worker_starts(args: list[str], message: str) -> None:

@@ -89,6 +89,13 @@ def demo_command(
         help="With --adp both: one untimed run without the pool first, left out of the "
         "comparison (it sets the dilation every run keeps).",
     ),
+    compute: str = typer.Option(
+        "real",
+        "--compute",
+        help="real (the workers share this host's cores) or paced (emulated: each worker paced "
+        "as its own device, every engine turn held to C x its CPU time, C = workers x torch "
+        "threads / host cores, at least 1; docs/demo.md).",
+    ),
     engine: str = typer.Option(
         "hf",
         "--engine",
@@ -99,10 +106,15 @@ def demo_command(
     """Prefill and decode in separate processes with layer-by-layer KV streaming."""
     if engine not in ("hf", "vllm"):
         raise DemoError(f"--engine {engine!r}: use hf or vllm")
+    if compute not in ("real", "paced"):
+        raise DemoError(f"--compute {compute!r}: use real or paced")
+    if engine == "vllm" and compute != "real":
+        raise DemoError("--compute paced paces TopKV's own workers: give --engine hf")
     if engine == "vllm":
         _run_vllm(requests, as_json, seed, new_tokens, speedup, trace, trace_start)
         return
     from topkv.demo.adaptive import adp_json, adp_text, pairs_json, pairs_text
+    from topkv.demo.compute import ComputeEmulation, compute_json
     from topkv.demo.report import (
         options_json,
         request_json,
@@ -112,6 +124,7 @@ def demo_command(
     )
     from topkv.demo.runner import DemoOptions, DemoRun
     from topkv.demo.tiers import tiers_json, tiers_text
+    from topkv.demo.topology import DEFAULT_PLACEMENTS
     from topkv.engine import model_extra_available
     from topkv.engine.deps import INSTALL_HINT
     from topkv.harness.sim_check import sim_check
@@ -137,6 +150,8 @@ def demo_command(
         decode_capacity=decode_capacity,
         pipelining=pipelining == "on",
         adp=adp != "off",
+        # derived once: every run of an --adp both comparison keeps the same pace
+        compute=ComputeEmulation.choose(compute, workers=len(DEFAULT_PLACEMENTS)),
     )
     started = time.perf_counter()
     # reads the trace and the topology: a bad file fails here, before any model or worker
@@ -160,6 +175,7 @@ def demo_command(
         wall_s = time.perf_counter() - started
     assert run.dilation is not None  # set by the warm-up of a run that finished
     summary = summarize(results, options, wall_s, run.model_id, run.dilation)
+    summary["emulation"]["compute"] = compute_json(options.compute, run.paced_turns)
     summary["sim_check"] = sim_check(
         deployment,
         results,
@@ -243,6 +259,7 @@ def _run_pairs(
     """``--adp both``: ``repeats`` pairs in alternating order (docs/adp.md, "Live burst"),
     after an optional untimed run; every run keeps the dilation of the first."""
     from topkv.demo.adaptive import PairedRun, pair_orders
+    from topkv.demo.compute import compute_json
     from topkv.demo.runner import DemoRun
 
     shared = None
@@ -264,7 +281,8 @@ def _run_pairs(
             shared = run.dilation
             runs.append(
                 PairedRun(pair, with_adp, results, run.adp_report, run.dilation.factor,
-                          run.warmup.kv_bytes_per_prefill_s, (load, os.getloadavg()[0]))
+                          run.warmup.kv_bytes_per_prefill_s, (load, os.getloadavg()[0]),
+                          compute_json(run.options.compute, run.paced_turns))
             )  # fmt: skip
             if with_adp and shown is None:
                 shown = (run, results, time.perf_counter() - started)

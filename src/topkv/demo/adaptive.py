@@ -150,6 +150,8 @@ class PairedRun:
     dilation: float
     kv_bytes_per_prefill_s: float  #: its warm-up's KV production rate (host speed)
     load: tuple[float, float]  #: 1-minute load average at its start and end
+    #: ``summary.emulation.compute`` of the run (--compute paced: its turns and overruns)
+    compute: dict[str, Any] | None = None
 
 
 def pair_orders(repeats: int) -> list[tuple[bool, bool]]:
@@ -177,6 +179,8 @@ def pairs_json(runs: Sequence[PairedRun]) -> dict[str, Any]:
         if r.report is not None:
             out["conversions"] = r.report["conversions"]
             out["rush_periods"] = r.report["rush_periods"]
+        if r.compute is not None and r.compute.get("mode") == "paced":
+            out["compute"] = {k: r.compute[k] for k in ("pace", "turns", "overruns", "overrun_s")}
         return out
 
     pairs = sorted({r.pair for r in runs})
@@ -213,6 +217,8 @@ def pairs_text(pairs: dict[str, Any]) -> str:
         cells = []
         for r in p["runs"]:
             conv = f", {len(r['conversions'])} conversion(s)" if "conversions" in r else ""
+            if "compute" in r:
+                conv += f", {r['compute']['overruns']}/{r['compute']['turns']} turns overran"
             cells.append(f"{'on' if r['adp'] else 'off'} {ms(r['ttft_p90_ms'])}{conv}")
         lines.append(f"  pair {i} ({p['order']}): " + "; ".join(cells))
     for order, m in pairs["by_order"].items():

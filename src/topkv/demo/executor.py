@@ -3,7 +3,10 @@ with the demo's hold on each prefill KV (the relay and the baselines both use it
 
 from __future__ import annotations
 
+from typing import Any
+
 from topkv.relay.executor import AttemptPlan, Delivery
+from topkv.relay.transfers import FailureKind
 from topkv.relay.workers import WorkerInfo
 from topkv.service.remote_executor import Pacing, RemoteExecutor
 from topkv.transport.media import DEFAULT_MEDIA, real_medium
@@ -51,3 +54,9 @@ class DemoExecutor(RemoteExecutor):
         if not holders:
             del self._holders[request_id]
             await super().release_source(source, request_id)
+
+    async def worker_info(self, worker: WorkerInfo) -> Any:
+        """``GET /v1/info`` of ``worker`` (its engine, counters, ...)."""
+        return await self._call(
+            worker, "GET", "/v1/info", None, self.call_timeout_s, FailureKind.DESTINATION_DIED
+        )

@@ -10,6 +10,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from topkv.demo.compute import compute_text
 from topkv.demo.emulation import Dilation
 from topkv.demo.measure import Percentiles, quantile
 from topkv.demo.results import Progress, RequestResult
@@ -269,6 +270,7 @@ def summary_text(summary: dict[str, Any]) -> Text:
         f"{summary['wall_s']:.1f} s",
         f"  {emulation['dilation_note']}",
         *_drift_lines(emulation),
+        *compute_text(emulation.get("compute", {})),
         *_sim_check_lines(summary.get("sim_check")),
     ]
     return Text("\n".join(lines))

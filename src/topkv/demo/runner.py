@@ -36,6 +36,7 @@ from typing import Literal
 
 from topkv.demo.adaptive import DemoPool
 from topkv.demo.cluster import DemoWorkers
+from topkv.demo.compute import DEMO_TORCH_THREADS, ComputeEmulation, PacedTurns
 from topkv.demo.emulation import Dilation, StandIn, resolve_dilation
 from topkv.demo.errors import DemoError
 from topkv.demo.executor import DemoExecutor
@@ -72,6 +73,7 @@ from topkv.relay.orchestrator_config import OrchestratorConfig
 from topkv.relay.tasks import cancel_and_wait
 from topkv.relay.transfers import Outcome, TransferState
 from topkv.relay.workers import WorkerInfo
+from topkv.service.engine_pace import PaceStats
 from topkv.service.engines import EngineSpec
 from topkv.service.messages import GenerateRequest, PacedLink, PrefillRequest
 from topkv.transport.base import KVLayout
@@ -110,6 +112,8 @@ class DemoOptions:
     #: KV caches each decode worker keeps on its device tier (topkv.demo.tiers); None: no
     #: tiers (every delivered cache stays where it landed)
     device_kv_capacity: int | None = None
+    #: --compute: real (the workers share the host's cores) or paced (topkv.demo.compute)
+    compute: ComputeEmulation = field(default_factory=ComputeEmulation)
 
     def __post_init__(self) -> None:
         if self.new_tokens < 1:
@@ -167,6 +171,9 @@ class DemoRun:
             raise DemoError("the demo's workers serve the default demo model shape only")
         self.topology = two_node_cluster(find_fixture(options.fixture))
         self.placements = list(DEFAULT_PLACEMENTS)
+        paced = options.compute.pace is not None
+        if paced and options.compute.workers != len(self.placements):
+            raise DemoError(f"paced compute derived for {options.compute.workers} workers")
         self._placement = {p.worker_id: p for p in self.placements}
         self.stand_in = stand_in([r.prompt_len for r in self.requests]) if stand_in else None
         if self.stand_in is None and options.dilation is None:
@@ -195,6 +202,8 @@ class DemoRun:
         #: With --adp: the pool during the timed phase, then its report (the "adp" key).
         self.pool: DemoPool | None = None
         self.adp_report: dict[str, object] | None = None
+        #: With --compute paced: each worker's paced turns in the timed phase.
+        self.paced_turns: dict[str, PaceStats] = {}
         #: The workers' logs and (with --device-kv-capacity) their disk tiers.
         self._run_dir = tempfile.TemporaryDirectory(prefix="topkv-demo-")
 
@@ -254,7 +263,8 @@ class DemoRun:
             "hf",
             model_path=Path(opts.model_path) if opts.model_path is not None else None,
             demo_seed=opts.seed if opts.model_path is None else None,
-            torch_threads=1,
+            torch_threads=DEMO_TORCH_THREADS,
+            compute_pace=opts.compute.pace,
         )
         run_dir = Path(self._run_dir.name)
         capacity = opts.device_kv_capacity
@@ -277,7 +287,10 @@ class DemoRun:
             self.infos = await self.workers.start()
             self._learn_model(self.workers.ready[self.placements[0].worker_id])
             await self._warm_up()
+            counted = PacedTurns(self.executor, list(self.infos.values()), opts.compute)
+            await counted.start()
             await self._timed_phase()
+            self.paced_turns = await counted.since()
             await self._reference_phase()
         finally:
             for task in list(self._tasks):
