@@ -57,7 +57,9 @@ def test_a_turn_is_held_until_pace_times_its_cpu_time() -> None:
     clocks.compute(0.4)  # uncontended: 0.4 s on the wall
     pacer.end(mark)
     assert clocks.wall == pytest.approx(100.0 + 2.5 * 0.4)
-    assert pacer.stats() == PaceStats(turns=1, overruns=0, overrun_s=0.0, held_s=pytest.approx(0.6))
+    assert pacer.stats() == PaceStats(
+        turns=1, overruns=0, overrun_s=0.0, held_s=pytest.approx(0.6), busy_s=pytest.approx(1.0)
+    )
 
 
 def test_a_contended_turn_is_held_only_for_what_is_left() -> None:
@@ -85,7 +87,7 @@ def test_a_turn_past_pace_times_cpu_is_an_overrun_and_not_held() -> None:
     clocks.compute(0.1)
     pacer.end(mark)
     assert pacer.stats().as_json() == {"turns": 2, "overruns": 1, "overrun_s": 0.4,
-                                       "held_s": 0.1}  # fmt: skip
+                                       "held_s": 0.1, "busy_s": 0.8}  # fmt: skip
 
 
 def test_a_layer_is_held_until_pace_times_the_cpu_so_far() -> None:
@@ -231,7 +233,8 @@ def test_the_metrics_count_turns_and_overruns() -> None:
     assert "topkv_engine_pace_overruns_total 1.0" in text
     assert "topkv_engine_pace_overrun_seconds_total 0.75" in text
     assert pacer.describe() == {"pace": 2.0, "clock": "thread_time", "turns": 2,
-                                "overruns": 1, "overrun_s": 0.75, "held_s": 0.25}  # fmt: skip
+                                "overruns": 1, "overrun_s": 0.75, "held_s": 0.25,
+                                "busy_s": 1.75}  # fmt: skip
     assert PaceStats.of(pacer.stats().as_json()) == pacer.stats()
     with pytest.raises(ValueError, match="compute pace stats"):
         PaceStats.of({"turns": 1})

@@ -34,7 +34,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -71,13 +71,16 @@ def check_torch_threads(threads: int) -> None:
 
 @dataclass(frozen=True)
 class PaceStats:
-    """A worker's paced turns so far: how many, how many overran, by how much in all, and
-    how long the turns were held in all."""
+    """A worker's paced turns so far: how many, how many overran, by how much in all, how
+    long the turns were held in all, and how long they lasted in all (wall, holds included:
+    the emulated device's busy time; ``overrun_s / busy_s`` is the share of it the host
+    could not hold to the pace)."""
 
     turns: int = 0
     overruns: int = 0
     overrun_s: float = 0.0
     held_s: float = 0.0
+    busy_s: float = 0.0
 
     def minus(self, earlier: PaceStats) -> PaceStats:
         """The turns since ``earlier`` (a snapshot of the same counters)."""
@@ -86,6 +89,7 @@ class PaceStats:
             self.overruns - earlier.overruns,
             self.overrun_s - earlier.overrun_s,
             self.held_s - earlier.held_s,
+            self.busy_s - earlier.busy_s,
         )
 
     def plus(self, other: PaceStats) -> PaceStats:
@@ -94,6 +98,7 @@ class PaceStats:
             self.overruns + other.overruns,
             self.overrun_s + other.overrun_s,
             self.held_s + other.held_s,
+            self.busy_s + other.busy_s,
         )
 
     def as_json(self) -> dict[str, float | int]:
@@ -102,6 +107,7 @@ class PaceStats:
             "overruns": self.overruns,
             "overrun_s": round(self.overrun_s, 6),
             "held_s": round(self.held_s, 6),
+            "busy_s": round(self.busy_s, 6),
         }
 
     @classmethod
@@ -115,6 +121,7 @@ class PaceStats:
                 int(payload["overruns"]),
                 float(payload["overrun_s"]),
                 float(payload["held_s"]),
+                float(payload["busy_s"]),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"compute pace stats {payload!r}: {exc}") from None
@@ -164,7 +171,7 @@ class ComputePacer:
         if held:
             with self._lock:
                 s = self._stats
-                self._stats = PaceStats(s.turns, s.overruns, s.overrun_s, s.held_s + held)
+                self._stats = replace(s, held_s=s.held_s + held)
 
     def end(self, mark: PaceMark) -> None:
         """The turn begun at ``mark`` computed its last: hold it until ``C`` times its CPU
@@ -180,6 +187,7 @@ class ComputePacer:
                 s.overruns + (late > 0),
                 s.overrun_s + max(0.0, late),
                 s.held_s + held,
+                s.busy_s + (wall + held - mark.wall_s),
             )
 
     def _wait_until(self, due: float) -> float:
@@ -215,6 +223,7 @@ class PaceCollector(Collector):
             ("topkv_engine_pace_overruns", "turns whose wall time exceeded C x CPU", s.overruns),
             ("topkv_engine_pace_overrun_seconds", "wall time past C x CPU, summed", s.overrun_s),
             ("topkv_engine_pace_held_seconds", "time turns were held, summed", s.held_s),
+            ("topkv_engine_paced_busy_seconds", "wall time of the paced turns", s.busy_s),
         ):
             family = CounterMetricFamily(name, doc)
             family.add_metric([], value)
