@@ -40,6 +40,8 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
+from prometheus_client import CollectorRegistry
+
 from topkv.errors import TopKVError
 from topkv.policy.adp import (
     DEFAULT_ADP,
@@ -113,21 +115,39 @@ class ConversionTasks:
     background (:meth:`_convert`), timed, counted and recorded the same way; the ticker; and
     how they stop. A subclass says how a worker is found (:meth:`_registered`) and moved
     (:meth:`_switch`), what its gauges show (:meth:`_gauges`) and, where its router keeps a
-    fence of its own, tells it in :meth:`_fence`."""
+    fence of its own, tells it in :meth:`_fence`.
 
-    pool: AdaptiveDecoderPool
-    metrics: AdpMetrics
-    clock: Clock
-    timer: Clock
-    origin_s: float
-    conversions: list[Conversion]
-    stage: dict[str, Stage]
-    _fenced_at: dict[str, float]
-    _tasks: set[asyncio.Task[None]]
-    _ticker: asyncio.Task[None] | None
-    registry_wait_s: float
+    ``clock`` drives the policy and stamps ``at_ms`` and the rush periods; ``timer``
+    measures conversion durations (default monotonic, so a manual policy clock still reports
+    real durations); ``origin_s``: the ``clock`` time ``at_ms`` counts from (default: now);
+    ``registry_wait_s``: the longest a conversion waits for the registry to show the
+    worker's new role; ``metrics``: where the ADP's metrics (:class:`AdpMetrics`) go."""
+
     #: how long :meth:`close` waits past ``registry_wait_s`` for a conversion in progress
     close_grace_s: float = 35.0
+
+    def __init__(
+        self,
+        config: ADPConfig,
+        clock: Clock,
+        metrics: CollectorRegistry,
+        *,
+        timer: Clock | None = None,
+        origin_s: float | None = None,
+        registry_wait_s: float = 10.0,
+    ) -> None:
+        self.config = config
+        self.clock = clock
+        self.timer: Clock = timer or MonotonicClock()
+        self.origin_s = self.clock.now() if origin_s is None else origin_s
+        self.registry_wait_s = registry_wait_s
+        self.pool = AdaptiveDecoderPool(clock, config)
+        self.metrics = AdpMetrics(metrics)
+        self.conversions: list[Conversion] = []
+        self.stage: dict[str, Stage] = {}
+        self._fenced_at: dict[str, float] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._ticker: asyncio.Task[None] | None = None
 
     @property
     def in_rush(self) -> bool:
@@ -242,10 +262,8 @@ class LiveAdaptivePool(ConversionTasks):
     """The ADP applied to one running :class:`Orchestrator` (module docstring).
 
     ``clock`` drives the policy and stamps ``at_ms`` and the rush periods (default the
-    orchestrator's); ``timer`` measures conversion durations (default monotonic, so a
-    manual policy clock still reports real durations). ``origin_s``: the ``clock`` time the
-    report's milliseconds count from (default: now). ``registry_wait_s``: longest a
-    conversion waits for the registry to show the worker's new role.
+    orchestrator's); ``timer``, ``origin_s`` (where the report's milliseconds count from)
+    and ``registry_wait_s``: :class:`ConversionTasks`.
     """
 
     def __init__(
@@ -259,22 +277,18 @@ class LiveAdaptivePool(ConversionTasks):
         origin_s: float | None = None,
         registry_wait_s: float = 10.0,
     ) -> None:
+        super().__init__(
+            config,
+            clock or orchestrator.clock,
+            orchestrator.metrics.registry,
+            timer=timer,
+            origin_s=origin_s,
+            registry_wait_s=registry_wait_s,
+        )
         self.orchestrator = orchestrator
         self.switcher = switcher
-        self.config = config
-        self.clock: Clock = clock or orchestrator.clock
-        self.timer: Clock = timer or MonotonicClock()
-        self.origin_s = self.clock.now() if origin_s is None else origin_s
-        self.registry_wait_s = registry_wait_s
-        self.pool = AdaptiveDecoderPool(self.clock, config)
-        self.metrics = AdpMetrics(orchestrator.metrics.registry)
-        self.conversions: list[Conversion] = []
         self.native: dict[str, Role] = {}
-        self.stage: dict[str, Stage] = {}
         self._waiters: dict[str, tuple[Role, asyncio.Future[None]]] = {}
-        self._fenced_at: dict[str, float] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._ticker: asyncio.Task[None] | None = None
         orchestrator.view.subscribe(self._on_event)
 
     # -- observations ------------------------------------------------------------------------

@@ -48,16 +48,9 @@ from typing import Any, Protocol
 from prometheus_client import CollectorRegistry
 
 from topkv.errors import ConfigError, TopKVError
-from topkv.policy.adp import DEFAULT_ADP, AdaptiveDecoderPool, ADPConfig, ConversionPlan, WorkerView
+from topkv.policy.adp import DEFAULT_ADP, ADPConfig, ConversionPlan, WorkerView
 from topkv.policy.clock import Clock, MonotonicClock
-from topkv.relay.adp import (
-    PREFILL_STAGES,
-    Conversion,
-    ConversionFailed,
-    ConversionTasks,
-    Stage,
-)
-from topkv.relay.metrics import AdpMetrics
+from topkv.relay.adp import PREFILL_STAGES, Conversion, ConversionFailed, ConversionTasks
 from topkv.relay.registry_base import WorkerRegistry
 from topkv.relay.workers import Role, WorkerInfo
 from topkv.service.adp_service import AdpState, ConversionView
@@ -217,28 +210,19 @@ class FrontDoorADP(ConversionTasks):
         timer: Clock | None = None,
         registry_wait_s: float = 10.0,
     ) -> None:
+        super().__init__(
+            config, clock or MonotonicClock(), metrics, timer=timer, registry_wait_s=registry_wait_s
+        )
         self.registry = registry
         self.writer = writer
         self.movable = frozenset(movable)
-        self.config = config
-        self.clock: Clock = clock or MonotonicClock()
-        self.timer: Clock = timer or MonotonicClock()
-        self.origin_s = self.clock.now()
-        self.registry_wait_s = registry_wait_s
-        self.pool = AdaptiveDecoderPool(self.clock, config)
-        self.metrics = AdpMetrics(metrics)
-        self.stage: dict[str, Stage] = {}
-        self.conversions: list[Conversion] = []
         #: Load, by instance: prefill calls running, KV not yet acknowledged to or from it,
         #: decode answers and streams it serves; requests whose prefill is not done.
         self.prefilling: Counter[str] = Counter()
         self.unacked: Counter[str] = Counter()
         self.decoding: Counter[str] = Counter()
         self.queued = 0
-        self._fenced_at: dict[str, float] = {}
         self._rewriting: set[str] = set()
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._ticker: asyncio.Task[None] | None = None
 
     # -- what the router calls ---------------------------------------------------------------
 
