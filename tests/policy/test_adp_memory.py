@@ -6,11 +6,15 @@ room turn converted workers back)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
+import pytest
+
 from topkv.policy.adp import AdaptiveDecoderPool, ADPConfig, WorkerView, plan_conversions
-from topkv.policy.adp_memory import decode_bound, kv_fits, kv_known
+from topkv.policy.adp_memory import decode_bound, kv_fits, kv_known, kv_runs_out
 from topkv.policy.clock import ManualClock
+from topkv.policy.errors import PolicyInputError
 
 
 def _pool(used: float, converted: int = 0, fenced: bool = False) -> list[WorkerView]:
@@ -125,3 +129,59 @@ def test_the_pool_rate_limits_returns_in_a_rush() -> None:
     assert pool.update(50, left, decode_blocked=True).to_decode == ()
     clock.advance(4.0)
     assert pool.update(50, left, decode_blocked=True).to_decode == ("decode1",)
+
+
+def test_projected_return_turns_a_worker_back_before_requests_block() -> None:
+    # 2 converted, 2 decode workers at 0.8 hold 1.6 of 2.0 open: fits now, not blocked
+    workers = _pool(0.8, converted=2)
+    assert not kv_runs_out(workers, 0.0)
+    assert plan_conversions(workers, in_rush=True, pressure=True).to_decode == ()
+    # growing 0.5 over one conversion: 2.1 > 2.0, so one goes back now
+    assert kv_runs_out(workers, 0.5)
+    plan = plan_conversions(workers, in_rush=True, pressure=True, kv_growth=0.5)
+    assert plan.to_decode == ("decode0",) and plan.to_prefill == ()
+    assert "projected decode KV exceeds" in plan.rationale
+    # a shrinking pool counts as no growth; nothing converted: nothing to return
+    assert not kv_runs_out(workers, -5.0)
+    assert not kv_runs_out(_pool(0.99), 10.0)
+    # the caller reports no KV: the rule is off
+    unknown = [replace(w, kv_used=0.0, kv_capacity=0.0) for w in workers]
+    assert not kv_runs_out(unknown, 10.0)
+
+
+def test_the_projection_counts_the_growth_before_converting() -> None:
+    # 4 at 0.4 hold 1.6 -> 1.6 * 5/4 = 2.0 <= 3 converts; growing 1.0 over a conversion:
+    # 2.6 * 5/4 = 3.25 > 3, refused
+    assert plan_conversions(_pool(0.4), True, True).to_prefill == ("decode0",)
+    assert not kv_fits(_pool(0.4), 1.0, 1, growth=1.0)
+    assert plan_conversions(_pool(0.4), True, True, kv_growth=1.0).empty
+
+
+def test_the_pool_measures_the_kv_slope_over_the_queue_window() -> None:
+    clock = ManualClock()
+    pool = AdaptiveDecoderPool(clock, ADPConfig(queue_window_s=10.0), conversion_s=10.0)
+    assert pool.kv_growth(_pool(0.2)) == 0.0  # one sample: no slope yet
+    clock.advance(5.0)
+    # 4 workers from 0.2 to 0.3: +0.4 in 5 s, 0.08/s, times 10 s
+    assert abs(pool.kv_growth(_pool(0.3)) - 0.8) < 1e-9
+    clock.advance(10.0)  # the first sample falls out of the window: 0.3 -> 0.3
+    assert abs(pool.kv_growth(_pool(0.3))) < 1e-9
+    with pytest.raises(PolicyInputError, match="conversion_s"):
+        AdaptiveDecoderPool(clock, conversion_s=float("nan"))
+
+
+def test_the_growth_follows_the_kv_holding_time_when_releases_are_reported() -> None:
+    clock = ManualClock()
+    pool = AdaptiveDecoderPool(clock, ADPConfig(queue_window_s=10.0), conversion_s=10.0)
+
+    def pool_at(used: float, released: float) -> list[WorkerView]:
+        return [replace(w, kv_released=released) for w in _pool(used)]
+
+    pool.kv_growth(pool_at(0.2, 0.0))
+    clock.advance(5.0)
+    # 4 workers: KV 0.8 -> 1.2 (+0.08/s), 1.0 freed in 5 s (0.2/s): held tau = 1.2/0.2 = 6 s,
+    # so it tends to 1.2 + 6 * 0.08 and covers 1 - exp(-10/6) of that rise in 10 s
+    want = 0.08 * 6.0 * (1.0 - math.exp(-10.0 / 6.0))
+    got = pool.kv_growth(pool_at(0.3, 0.25))
+    assert abs(got - want) < 1e-9
+    assert got < 0.08 * 10.0  # less than the straight line: the pool nears its balance

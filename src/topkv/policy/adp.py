@@ -65,7 +65,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from topkv.policy.adp_memory import decode_bound, kv_fits
+from topkv.policy.adp_memory import decode_bound, kv_fits, kv_runs_out
 from topkv.policy.clock import Clock
 from topkv.policy.errors import PolicyInputError
 
@@ -346,6 +346,9 @@ class WorkerView:
     #: simulator); capacity 0: not reported (the KV rules of :mod:`adp_memory` are off).
     kv_used: float = 0.0
     kv_capacity: float = 0.0
+    #: KV freed on it by finished sequences since it started (same unit; a running total),
+    #: for the KV holding time of the projected return (0: not reported).
+    kv_released: float = 0.0
 
     @property
     def converted(self) -> bool:
@@ -423,6 +426,7 @@ def plan_conversions(
     config: ADPConfig = DEFAULT_ADP,
     may_convert: bool = True,
     decode_blocked: bool = False,
+    kv_growth: float = 0.0,
 ) -> ConversionPlan:
     """The conversion plan for this update (pure; see the module docstring).
 
@@ -439,6 +443,10 @@ def plan_conversions(
     converted) only if :func:`~topkv.policy.adp_memory.kv_fits`; ``decode_blocked`` (requests
     wait while a prefill worker idles, for want of decode KV room) turns the plan around in
     a rush: converted workers back, fenced ones open, nobody new (:mod:`adp_memory`).
+    ``kv_growth``: the decode KV's projected rise over one conversion (its recent slope
+    times the conversion time). The KV projection counts it, and the same return happens
+    as soon as the KV in use plus it exceeds the open decode capacity
+    (:func:`~topkv.policy.adp_memory.kv_runs_out`), before requests block.
     """
     natives = [w for w in workers if w.native == "decode"]
     converted = [w for w in natives if w.converted]
@@ -452,13 +460,19 @@ def plan_conversions(
             unfence=tuple(sorted(w.worker_id for w in fenced)),
             rationale="rush over: converting back" if converted or fenced else "",
         )
-    if decode_blocked:
+    runs_out = not decode_blocked and kv_runs_out(workers, kv_growth)
+    if decode_blocked or runs_out:
         ret = decode_bound(converted) if may_convert else None
+        cause = (
+            "the projected decode KV exceeds the open decode capacity"
+            if runs_out
+            else "requests wait for decode KV room while prefill idles"
+        )
         return ConversionPlan(
             to_decode=(ret.worker_id,) if ret is not None else (),
             unfence=tuple(sorted(w.worker_id for w in fenced)),
             rationale=(
-                "rush, decode-bound (requests wait for decode KV room while prefill idles): "
+                f"rush, decode-bound ({cause}): "
                 + (f"converting {ret.worker_id} back" if ret is not None else "converting none")
             ),
         )
@@ -470,7 +484,7 @@ def plan_conversions(
             continue
         # checked again: the load may have grown since it was chosen (already fenced, so
         # its capacity is out of the open pool; only the prefill growth is new)
-        if kv_fits(workers, 0.0, len(ready) + 1):
+        if kv_fits(workers, 0.0, len(ready) + 1, kv_growth):
             ready.append(w)
         else:
             reopen.append(w)
@@ -491,7 +505,9 @@ def plan_conversions(
             if left - w.decode_slots <= in_use:  # no gain: decode would be the bottleneck
                 short = True
                 continue
-            if not kv_fits(workers, removed_kv + w.kv_capacity, len(ready) + len(new) + 1):
+            if not kv_fits(
+                workers, removed_kv + w.kv_capacity, len(ready) + len(new) + 1, kv_growth
+            ):
                 kv_short = True  # the projected decode KV would not fit (adp_memory)
                 continue
             new.append(w)
@@ -531,12 +547,49 @@ class AdaptiveDecoderPool:
 
     clock: Clock
     config: ADPConfig = DEFAULT_ADP
+    #: How long a conversion takes the caller (the simulator's ``adp_conversion_s``; the
+    #: paper's 10 s target by default): the horizon over which the decode KV's growth is
+    #: projected, since a worker turned back now serves decode only that much later.
+    conversion_s: float = 10.0
     detector: RushDetector = field(init=False)
     conversions: int = 0
     _last_convert: float = field(default=-math.inf, init=False)
+    _kv_seen: deque[tuple[float, float, float]] = field(default_factory=deque, init=False)
 
     def __post_init__(self) -> None:
+        if not (self.conversion_s >= 0 and math.isfinite(self.conversion_s)):
+            raise PolicyInputError(f"ADP conversion_s = {self.conversion_s} must be >= 0")
         self.detector = RushDetector(self.clock, self.config)
+
+    def kv_growth(self, workers: Sequence[WorkerView]) -> float:
+        """The decode KV's projected rise over one conversion (``conversion_s``), from its
+        slope and its holding time over the queue window; 0 before a second update or when
+        the caller reports no KV memory.
+
+        The KV a decode pool holds follows ``dK/dt = inflow - K / tau``: a request holds its
+        KV for ``tau`` on average (Little's law: ``tau = K / outflow``, the outflow being the
+        KV freed by finished sequences per second, ``kv_released``), so at today's inflow
+        ``K`` tends to ``K + tau * dK/dt`` and covers ``1 - exp(-h / tau)`` of that rise within
+        ``h``. A straight line (the slope times ``h``) is the limit for a holding time much
+        longer than ``h``; it is what is used when the caller reports no KV freed. Taken over
+        every native decode worker, converted ones included, so a worker changing pools does
+        not show as KV arriving or leaving."""
+        now = self.clock.now()
+        natives = [w for w in workers if w.native == "decode"]
+        seen = self._kv_seen
+        seen.append((now, sum(w.kv_used for w in natives), sum(w.kv_released for w in natives)))
+        while len(seen) > 1 and seen[1][0] <= now - self.config.queue_window_s:
+            seen.popleft()
+        (t0, u0, r0), (t1, u1, r1) = seen[0], seen[-1]
+        if not t1 > t0:
+            return 0.0
+        slope = (u1 - u0) / (t1 - t0)
+        outflow = (r1 - r0) / (t1 - t0)
+        h = self.conversion_s
+        if outflow <= 0 or u1 <= 0:
+            return slope * h
+        tau = u1 / outflow
+        return slope * tau * -math.expm1(-h / tau)
 
     def observe_arrival(self, tokens: float) -> None:
         self.detector.observe_arrival(tokens)
@@ -559,6 +612,7 @@ class AdaptiveDecoderPool:
             self.config,
             may_convert=now - self._last_convert >= self.config.convert_interval_s,
             decode_blocked=decode_blocked,
+            kv_growth=self.kv_growth(workers),
         )
         if plan.to_prefill or plan.fence or (self.detector.in_rush and plan.to_decode):
             self._last_convert = now

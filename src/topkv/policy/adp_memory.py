@@ -20,6 +20,13 @@ as the live orchestrator does today) gets the slot-based rules alone.
   one per update under the usual rate limit, idle ones only (never one with KV not
   acknowledged or prefill in progress), opens fenced ones, and converts nobody new. No
   threshold either: the signal is a fact of routing, not a level of memory use.
+* **Projected return** (:func:`kv_runs_out`). The same return, before requests block: when
+  the decode KV in use, grown at its recent rate (``growth``: the caller's slope over the
+  queue window times the time a returning worker takes to serve decode again, one
+  conversion), no longer fits the open decode capacity, decode will be the bottleneck by
+  the time a worker turned back now could help, so one is turned back now. The KV
+  projection (:func:`kv_fits`) counts the same growth before it converts anyone. No
+  threshold: the growth is measured and the horizon is the caller's conversion time.
 """
 
 from __future__ import annotations
@@ -81,16 +88,34 @@ def decode_kv_open(workers: Sequence[WorkerView]) -> float:
     )
 
 
-def kv_fits(workers: Sequence[WorkerView], removed_capacity: float, added_prefill: int) -> bool:
-    """Whether the decode KV in use, projected to ``added_prefill`` more prefill workers,
-    fits the open capacity less ``removed_capacity`` (the workers to convert). True when
-    the caller reports no KV memory."""
+def kv_fits(
+    workers: Sequence[WorkerView],
+    removed_capacity: float,
+    added_prefill: int,
+    growth: float = 0.0,
+) -> bool:
+    """Whether the decode KV in use (plus ``growth``, its projected rise over one conversion),
+    projected to ``added_prefill`` more prefill workers, fits the open capacity less
+    ``removed_capacity`` (the workers to convert). True when the caller reports no KV
+    memory."""
     if not kv_known(workers):
         return True
-    used = decode_kv_used(workers)
+    used = decode_kv_used(workers) + max(0.0, growth)
     serving = prefill_serving(workers)
     projected = used * (serving + added_prefill) / serving if serving else used
     return projected <= decode_kv_open(workers) - removed_capacity
+
+
+def kv_runs_out(workers: Sequence[WorkerView], growth: float) -> bool:
+    """Whether the decode KV in use, grown by ``growth`` (its projected rise over one
+    conversion), exceeds the open decode capacity while a worker is converted: turn one
+    back now (module docstring). False when the caller reports no KV memory or nothing
+    is converted."""
+    if not kv_known(workers) or not any(
+        w.native == "decode" and w.role == "prefill" for w in workers
+    ):
+        return False
+    return decode_kv_used(workers) + max(0.0, growth) > decode_kv_open(workers)
 
 
 def decode_bound(converted: Sequence[W]) -> W | None:

@@ -73,7 +73,7 @@ class AdpDriver:
         self.config = config
         self.tick_s = tick_s
         self.conversion_s = conversion_s
-        self.pool = AdaptiveDecoderPool(host.loop, config)
+        self.pool = AdaptiveDecoderPool(host.loop, config, conversion_s=conversion_s)
         self.by_name = {d.inst.name: d for d in host.decodes}
         self._by_iid = {d.inst.iid: d for d in host.decodes}
         #: converted (or converting) decode instances, by iid
@@ -188,6 +188,7 @@ class AdpDriver:
                     fenced=iid in self.fenced,
                     kv_used=d.reserved,
                     kv_capacity=d.capacity,
+                    kv_released=d.released,
                 )
             )
         return out

@@ -461,6 +461,7 @@ class Simulation:
         r.finish = now
         r.e2e = now - r.req.arrival_s
         d.reserved -= r.mem
+        d.released += r.mem
         if d.reserved < 1e-6:
             d.reserved = 0.0
         self.done.append(r)

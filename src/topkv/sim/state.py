@@ -57,6 +57,7 @@ class DecodeState:
         "members",
         "n",
         "pending",
+        "released",
         "reserved",
         "seq",
         "step_s",
@@ -71,6 +72,8 @@ class DecodeState:
         self.inst = inst
         self.capacity = capacity
         self.reserved = 0.0
+        #: KV bytes freed by finished sequences since the start (the ADP's KV outflow)
+        self.released = 0.0
         self.steps = 0.0
         self.last_t = 0.0
         self.step_s = 0.0
