@@ -455,3 +455,24 @@ def test_chunks_and_reserve() -> None:
     assert CFG.chunk_tokens == 512 and CFG.decode_reserve == 0.3
     assert [CFG.chunks(n) for n in (1, 512, 513, 4096)] == [1, 1, 2, 8]
     assert CFG.reserved_slots(256) == 76
+
+
+def test_a_decode_only_worker_counts_for_the_pool_but_is_never_chosen() -> None:
+    prefill = [WorkerView(f"p{i}", "prefill", "prefill", 0, 0) for i in range(2)]
+    # c0 is a plain decode-only instance (idle), b0/b1 may move (one busy past the reserve)
+    c0 = WorkerView("c0", "decode", "decode", 0, 4, convertible=False)
+    b0 = WorkerView("b0", "decode", "decode", 3, 4)
+    b1 = WorkerView("b1", "decode", "decode", 1, 4)
+    workers = [*prefill, c0, b0, b1]
+    # the least loaded convertible one is chosen (b1), never the idle decode-only c0
+    assert plan_conversions(workers, in_rush=True, pressure=True).to_prefill == ("b1",)
+    # c0's 4 slots count as open decode: without them, converting b1 leaves 4 slots for 4
+    # in use (no headroom), with them 8 for 4
+    alone = plan_conversions([*prefill, b0, b1], in_rush=True, pressure=True)
+    assert alone.to_prefill == () and "no decode headroom" in alone.rationale
+    # the cap: half of 3 natives is 1, and never more than the convertible ones
+    assert convert_cap(3, ADPConfig(), convertible=2) == 1
+    assert convert_cap(4, ADPConfig(), convertible=1) == 1
+    assert convert_cap(4, ADPConfig(), convertible=0) == 0
+    only = [*prefill, c0, WorkerView("c1", "decode", "decode", 0, 4, convertible=False)]
+    assert plan_conversions(only, in_rush=True, pressure=True).to_prefill == ()

@@ -349,6 +349,10 @@ class WorkerView:
     #: KV freed on it by finished sequences since it started (same unit; a running total),
     #: for the KV holding time of the projected return (0: not reported).
     kv_released: float = 0.0
+    #: Whether it may ever change pools: False for a decode worker that serves decode only
+    #: (a vLLM ``kv_consumer``): it counts for the decode pool's size, slots and KV, but
+    #: is never chosen.
+    convertible: bool = True
 
     @property
     def converted(self) -> bool:
@@ -376,10 +380,12 @@ class ConversionPlan:
         return not (self.to_prefill or self.to_decode or self.drain or self.fence or self.unfence)
 
 
-def convert_cap(native_decode: int, config: ADPConfig) -> int:
-    """Most decode workers that may be converted: the share cap, always leaving one."""
+def convert_cap(native_decode: int, config: ADPConfig, convertible: int | None = None) -> int:
+    """Most decode workers that may be converted: the share cap of the native decode pool,
+    always leaving one, and no more than the ``convertible`` ones among them (all if None)."""
     share = math.floor(native_decode * config.max_convert_share + 1e-9)
-    return max(0, min(share, native_decode - 1))
+    movable = native_decode if convertible is None else convertible
+    return max(0, min(share, native_decode - 1, movable))
 
 
 def convertible(w: WorkerView, config: ADPConfig) -> bool:
@@ -395,7 +401,7 @@ def convertible(w: WorkerView, config: ADPConfig) -> bool:
 def candidate(w: WorkerView) -> bool:
     """A native decode worker that may be chosen for conversion: it is then fenced until
     :func:`convertible` (its KV acknowledged, its decode drained to the reserve)."""
-    return w.native == "decode" and w.role == "decode" and w.healthy
+    return w.native == "decode" and w.role == "decode" and w.healthy and w.convertible
 
 
 def decode_in_use(workers: Sequence[WorkerView]) -> int:
@@ -476,7 +482,7 @@ def plan_conversions(
                 + (f"converting {ret.worker_id} back" if ret is not None else "converting none")
             ),
         )
-    cap = convert_cap(len(natives), config)
+    cap = convert_cap(len(natives), config, sum(1 for w in natives if w.convertible))
     ready: list[WorkerView] = []
     reopen: list[WorkerView] = []
     for w in fenced:
