@@ -15,7 +15,7 @@ from topkv.integrations.vllm.pools import (
     Ticket,
     prompt_tokens,
 )
-from topkv.policy.adp import ADPConfig
+from topkv.policy.adp import ADPConfig, plan_conversions
 from topkv.policy.clock import ManualClock
 from topkv.relay.registry import MemoryRegistry
 from topkv.relay.workers import WorkerInfo
@@ -178,3 +178,22 @@ def test_without_adp_a_ticket_does_nothing_and_prompts_count_tokens() -> None:
     assert prompt_tokens({"prompt": [1, 2, 3]}) == 3
     assert prompt_tokens({"prompt": "x" * 40}) == 10
     assert prompt_tokens({"messages": [{"role": "user", "content": "y" * 8}]}) == 2
+
+
+def test_a_plain_decode_instance_is_counted_but_never_moved() -> None:
+    adp, registry, _, _ = _setup()
+    consumer = WorkerInfo(
+        worker_id="consumer0", role="decode", node="n", host_id="h", address="127.0.0.1:9",
+        control_url="http://consumer0",
+    )  # fmt: skip
+    registry.register(consumer, 60.0)
+    ticket = _served(adp, "prefill0", "consumer0")
+    views = {v.worker_id: v for v in adp.views()}
+    plain = views["consumer0"]
+    assert (plain.native, plain.role, plain.convertible) == ("decode", "decode", False)
+    assert plain.active_decode == 1 and plain.decode_slots == consumer.capacity
+    assert views["both0"].convertible and views["both1"].convertible
+    # in a rush the movable ones are chosen, never the idle plain instance
+    plan = plan_conversions(adp.views(), in_rush=True, pressure=True, config=CONFIG)
+    assert plan.to_prefill and "consumer0" not in plan.to_prefill + plan.fence
+    ticket.close()

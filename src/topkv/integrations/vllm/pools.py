@@ -15,8 +15,10 @@ conversion plan with its share cap), fed with what the front door sees:
   answers and streams it serves now as ``active_decode``, the KV not yet acknowledged to or
   from it (routed, and the decode not yet answering) as ``unacked_kv``, its registered
   capacity as ``decode_slots``. Plain decode instances (``kv_consumer``) cannot produce KV:
-  they are left out of the policy's view, so the cap (``max_convert_share``, never the last)
-  is over the movable instances.
+  they are in the view as native decode workers that are not convertible
+  (``WorkerView.convertible`` False), so their slots count for the decode headroom and the
+  share cap (``max_convert_share`` of all decode instances, never the last) while only the
+  movable ones are ever chosen.
 
 The plan is applied to the picker's pools (:meth:`FrontDoorADP.workers`, which the picker
 reads instead of the registry's roles): a *fenced* instance takes no new decode (its KV and
@@ -255,7 +257,14 @@ class FrontDoorADP(ConversionTasks):
             if wid not in self.movable:
                 if info.role == "prefill":
                     out.append(WorkerView(wid, "prefill", "prefill", 0, 0, self.unacked[wid]))
-                continue  # a plain decode instance never moves (module docstring)
+                else:  # a plain decode instance: counted, never moved (module docstring)
+                    out.append(
+                        WorkerView(
+                            wid, "decode", "decode", self.decoding[wid], info.capacity,
+                            unacked_kv=self.unacked[wid], convertible=False,
+                        )
+                    )  # fmt: skip
+                continue
             stage = self.stage.get(wid)
             out.append(
                 WorkerView(
