@@ -111,10 +111,11 @@ def _adp_options(
     config = _adp_config(value)
     if config is None:
         return None
-    if len(kv_both) < 2:
+    if not kv_both:
         raise ConfigError(
-            "--adp on needs at least 2 kv_both instances (--kv-both ID, or vllm up --both 2): "
-            "the policy never moves the last one"
+            "--adp on needs at least one kv_both instance (--kv-both ID, or vllm up --both 2); "
+            "the policy never moves the last decode instance, so one kv_both instance moves "
+            "only beside a kv_consumer"
         )
     return AdpOptions(
         frozenset(kv_both), replace(config, ttft_target_s=ttft_target_s), worker_token
