@@ -60,7 +60,8 @@ def test_the_summary_counts_every_workers_turns() -> None:
     run = PairedRun(0, False, [], None, 50.0, 1e6, (1.0, 2.0), doc)
     (listed,) = pairs_json([run])["pairs"]
     assert listed["runs"][0]["compute"] == {"pace": 2.0, "turns": 15, "overruns": 1,
-                                            "overrun_s": 0.25}  # fmt: skip
+                                            "overrun_s": 0.25, "busy_s": 10.0,
+                                            "overrun_share": 0.025}  # fmt: skip
 
 
 @pytest.mark.model

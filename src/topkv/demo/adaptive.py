@@ -180,7 +180,8 @@ def pairs_json(runs: Sequence[PairedRun]) -> dict[str, Any]:
             out["conversions"] = r.report["conversions"]
             out["rush_periods"] = r.report["rush_periods"]
         if r.compute is not None and r.compute.get("mode") == "paced":
-            out["compute"] = {k: r.compute[k] for k in ("pace", "turns", "overruns", "overrun_s")}
+            kept = ("pace", "turns", "overruns", "overrun_s", "busy_s", "overrun_share")
+            out["compute"] = {k: r.compute[k] for k in kept}
         return out
 
     pairs = sorted({r.pair for r in runs})
