@@ -158,11 +158,16 @@ class Supervisor:
                 process.popen.wait(timeout=self.grace_s)
         return int(process.popen.returncode)
 
+    #: How long a SIGKILLed process may take to be reaped. It cannot refuse the signal, but
+    #: the kernel's teardown of a large process (a vLLM server's threads and mappings) on a
+    #: saturated host took over 20 s once; the wait ends as soon as it exits.
+    reap_s = 120.0
+
     def kill(self, process: ManagedProcess) -> None:
         """SIGKILL (a crash, for fault tests) and reap."""
         with contextlib.suppress(ProcessLookupError):
             process.popen.kill()
-        process.popen.wait(timeout=self.grace_s)
+        process.popen.wait(timeout=max(self.grace_s, self.reap_s))
 
     def stop_all(self) -> None:
         """Stop every process, newest first (workers before the orchestrator)."""
