@@ -65,7 +65,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from topkv.policy.adp_memory import decode_bound, kv_fits, kv_runs_out
+from topkv.policy.adp_memory import (
+    decode_bound,
+    kv_fits,
+    kv_runs_out,
+    open_decode,
+    serving_decode,
+)
 from topkv.policy.clock import Clock
 from topkv.policy.errors import PolicyInputError
 
@@ -408,21 +414,13 @@ def decode_in_use(workers: Sequence[WorkerView]) -> int:
     """Decode slots the decode pool uses now: on every native decode worker still serving
     decode (fenced ones too), the sequences it decodes (or queues) plus the KV on its way to
     it. Converted workers are left out: the sequences they keep sit in their own reserve."""
-    return sum(
-        w.active_decode + w.unacked_kv
-        for w in workers
-        if w.native == "decode" and w.role == "decode"
-    )
+    return sum(w.active_decode + w.unacked_kv for w in serving_decode(workers))
 
 
 def decode_slots_open(workers: Sequence[WorkerView]) -> int:
     """Decode slots of the workers that take new decode work now: native decode workers
     serving decode, healthy and not fenced."""
-    return sum(
-        w.decode_slots
-        for w in workers
-        if w.native == "decode" and w.role == "decode" and w.healthy and not w.fenced
-    )
+    return sum(w.decode_slots for w in open_decode(workers))
 
 
 def plan_conversions(

@@ -74,18 +74,24 @@ def prefill_serving(workers: Sequence[WorkerView]) -> int:
     return sum(1 for w in workers if w.role == "prefill" and w.healthy)
 
 
+def serving_decode(workers: Sequence[W]) -> list[W]:
+    """The native decode workers still serving decode (fenced ones too): the decode pool."""
+    return [w for w in workers if w.native == "decode" and w.role == "decode"]
+
+
+def open_decode(workers: Sequence[W]) -> list[W]:
+    """The decode pool's workers taking new sequences now: healthy and not fenced."""
+    return [w for w in serving_decode(workers) if w.healthy and not w.fenced]
+
+
 def decode_kv_used(workers: Sequence[WorkerView]) -> float:
     """KV held on the native decode workers still serving decode (fenced ones too)."""
-    return sum(w.kv_used for w in workers if w.native == "decode" and w.role == "decode")
+    return sum(w.kv_used for w in serving_decode(workers))
 
 
 def decode_kv_open(workers: Sequence[WorkerView]) -> float:
     """KV capacity of the decode workers taking new sequences (healthy, not fenced)."""
-    return sum(
-        w.kv_capacity
-        for w in workers
-        if w.native == "decode" and w.role == "decode" and w.healthy and not w.fenced
-    )
+    return sum(w.kv_capacity for w in open_decode(workers))
 
 
 def kv_fits(
