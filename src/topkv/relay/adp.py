@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -109,7 +110,7 @@ class Conversion:
         return dict(zip(REPORT_KEYS, values, strict=True))
 
 
-class ConversionTasks:
+class ConversionTasks(ABC):
     """What the orchestrator's :class:`LiveAdaptivePool` and the vLLM front door's pool share:
     the policy's plan applied through :func:`apply_plan`; each conversion run in the
     background (:meth:`_convert`), timed, counted and recorded the same way; the ticker; and
@@ -164,22 +165,22 @@ class ConversionTasks:
             fence=self._fence,
         )
 
-    def _fence(self, worker_id: str, fenced: bool = True) -> None:
+    def _fence(self, worker_id: str, fenced: bool = True) -> None:  # noqa: B027 (optional hook)
         """Stop (or resume) routing new decode work to ``worker_id``; by default nothing to
         tell: a picker that reads :attr:`stage` itself needs no separate fence."""
 
+    @abstractmethod
     def _registered(self, worker_id: str) -> WorkerInfo | None:
         """``worker_id``'s registration as this pool's registry shows it now."""
-        raise NotImplementedError
 
+    @abstractmethod
     async def _switch(self, info: WorkerInfo, role: Role) -> float:
         """Move ``info`` to ``role`` until the registry shows it there; returns the seconds
         of the move's own share. Raises a :class:`~topkv.errors.TopKVError` on failure."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _gauges(self) -> None:
         """Set the pool gauges (``topkv_adp_rush``, ``topkv_adp_pool_workers``, ...)."""
-        raise NotImplementedError
 
     def _not_shown(self, worker_id: str, role: Role) -> ConversionFailed:
         return ConversionFailed(
