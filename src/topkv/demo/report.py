@@ -134,8 +134,10 @@ def summarize(
         "topology_vs_uniform_rdma": {
             "how": (
                 "measured: every request whose path was not RDMA was sent again over emulated "
-                "RDMA between the same workers, replaying its recorded layer-ready schedule; "
-                "uniform-RDMA TTFT = TTFT - exposed + exposed over RDMA"
+                "RDMA between the same workers, replaying its recorded layer-ready schedule, "
+                "and once more the same way over its own path (the control); uniform-RDMA "
+                "exposed = exposed + (exposed of the RDMA copy - exposed of the control), at "
+                "least 0; uniform-RDMA TTFT = TTFT - exposed + uniform-RDMA exposed"
             ),
             "topology_aware": {
                 "exposed_ms": _pct([r.exposed_ms for r in ok]),

@@ -15,9 +15,23 @@ from topkv.demo.records import Decoded, PrefillDone, Received, ReferenceDone, Se
 from topkv.demo.topology import LinkChoice
 from topkv.demo.workload import DemoRequest
 
-#: The three copies of a request's KV: streamed by the relay, sent whole after prefill,
-#: replayed over emulated RDMA.
-STREAM, SERIAL, REPLAY = "stream", "serial", "replay"
+#: The copies of a request's KV: streamed by the relay, sent whole after prefill, replayed
+#: over emulated RDMA, and replayed the same way over the request's own path (the control).
+STREAM, SERIAL, REPLAY, CONTROL = "stream", "serial", "replay", "control"
+
+
+def baseline_copies(link_mode: str, pipelined: bool) -> tuple[str, ...]:
+    """The measurement copies a request's KV gets after its stream, in order.
+
+    Every request gets the serial copy. A request whose path is not RDMA also gets the
+    RDMA copy and its control: a copy over its own path sent the same way, so that what the
+    sending method adds by itself (a sleeping thread replaying the layer schedule on a busy
+    host) cancels out of the comparison. With pipelining the control is a second replay;
+    without it the RDMA copy is a serial send, and the serial copy is its control.
+    """
+    if link_mode == "rdma":
+        return (SERIAL,)
+    return (SERIAL, REPLAY, CONTROL) if pipelined else (SERIAL, REPLAY)
 
 
 @dataclass(frozen=True)
@@ -152,6 +166,14 @@ def request_result(
     return replace(result, **_tier_figures(state.decoded))
 
 
+def _copy_exposed(state: RequestState, tag: str, compute_s: float) -> float:
+    """How long copy ``tag``'s last layer landed after its own (replayed) prefill ended:
+    ``compute_s`` after the copy started."""
+    return measure.exposed_after(
+        state.sends[tag].start_s + compute_s, state.received[tag].arrivals_s
+    )
+
+
 def _tier_figures(decoded: Decoded | None) -> dict[str, Any]:
     if decoded is None or decoded.tiers is None:
         return {}
@@ -177,11 +199,11 @@ def _figures(state: RequestState, pipelined: bool) -> dict[str, float]:
     modelled = measure.modelled_exposed_s(prefill.forward_start_s, ready, prefill_end, link_s)
     ttft = decoded.decode_start_s - state.arrival_s
     if REPLAY in state.received:
-        replay_send, replay_recv = state.sends[REPLAY], state.received[REPLAY]
-        # the replay starts at its forward start, a serial copy once its KV is whole
+        # a replay starts at its forward start, a serial copy once its KV is whole
         compute_s = prefill_end - prefill.forward_start_s if pipelined else 0.0
-        replay_end = replay_send.start_s + compute_s
-        rdma_exposed = measure.exposed_after(replay_end, replay_recv.arrivals_s)
+        over_rdma = _copy_exposed(state, REPLAY, compute_s)
+        control = _copy_exposed(state, CONTROL if pipelined else SERIAL, compute_s)
+        rdma_exposed = max(0.0, exposed + over_rdma - control)
     else:
         rdma_exposed = exposed
     ms = 1e3

@@ -42,6 +42,7 @@ from topkv.demo.errors import DemoError
 from topkv.demo.executor import DemoExecutor
 from topkv.demo.records import Decoded, PrefillDone, Received, ReferenceDone, SendDone
 from topkv.demo.results import (
+    CONTROL,
     REPLAY,
     SERIAL,
     STREAM,
@@ -49,6 +50,7 @@ from topkv.demo.results import (
     ProgressCallback,
     RequestResult,
     RequestState,
+    baseline_copies,
     request_result,
 )
 from topkv.demo.tiers import demo_tiers
@@ -531,14 +533,20 @@ class DemoRun:
         self._release_slot(rid)
 
     async def _baselines(self, state: RequestState) -> None:
-        """The serial copy over the same path, then (unless it was RDMA) the replayed copy
-        over emulated RDMA; each drained by the decode worker."""
+        """The serial copy over the same path, then (unless it was RDMA) the copy over
+        emulated RDMA and its control (:func:`baseline_copies`); each drained by the decode
+        worker."""
         assert state.link is not None and state.rdma_link is not None
-        copies: list[tuple[str, LinkChoice, Schedule]] = [(SERIAL, state.link, "serial")]
-        if state.link.mode != "rdma":
-            # without pipelining, uniform RDMA too sends the whole KV after prefill
-            replay: Schedule = "replay" if self.options.pipelining else "serial"
-            copies.append((REPLAY, state.rdma_link, replay))
+        # without pipelining, uniform RDMA too sends the whole KV after prefill
+        replay: Schedule = "replay" if self.options.pipelining else "serial"
+        plans: dict[str, tuple[LinkChoice, Schedule]] = {
+            SERIAL: (state.link, "serial"),
+            REPLAY: (state.rdma_link, replay),
+            CONTROL: (state.link, replay),
+        }
+        copies = [
+            (tag, *plans[tag]) for tag in baseline_copies(state.link.mode, self.options.pipelining)
+        ]
         source, destination = self.infos[state.prefill_worker], self.infos[state.decode_worker]
         try:
             for tag, link, schedule in copies:
@@ -576,8 +584,11 @@ class DemoRun:
     def _finish_transfers(self, state: RequestState) -> None:
         """Once the baselines are done with the request's KV (or the request failed), give
         their hold back (the relay releases its own); a decoded request is then done."""
-        needs_replay = state.link is not None and state.link.mode != "rdma"
-        copies = (SERIAL, REPLAY) if needs_replay else (SERIAL,)
+        copies = (
+            baseline_copies(state.link.mode, self.options.pipelining)
+            if state.link is not None
+            else (SERIAL,)
+        )
         copied = all(c in state.received and c in state.sends for c in copies)
         failed = state.stage == "failed"
         if (failed or copied) and state.prefill_worker and not state.baselines_released:

@@ -32,9 +32,10 @@ from topkv.traces import Request, Workload
 
 #: An effect smaller than this fraction of TTFT is "no difference": below what the demo
 #: resolves on a shared host (its uniform-RDMA copy rides TCP where the topology-aware one
-#: rides shared memory, and is replayed by a sleeping thread: a few ms on a TTFT of
-#: hundreds), and below one layer's transfer, which pipelining never hides and which is a
-#: twelfth of the demo model's cache but an 80th of Llama-3-70B's.
+#: rides shared memory: a few ms on a TTFT of hundreds; what replaying the layer schedule
+#: adds by itself is measured by the control copy and taken out), and below one layer's
+#: transfer, which pipelining never hides and which is a twelfth of the demo model's cache
+#: but an 80th of Llama-3-70B's.
 NEGLIGIBLE = 0.02
 #: Two effects of one direction agree in size when within this factor of each other.
 SIZE_FACTOR = 2.0
