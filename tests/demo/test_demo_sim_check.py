@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any
 
 import pytest
 from demo_results import result
 
 from topkv.demo.workload import find_trace, load_requests
-from topkv.harness.sim_check import NEGLIGIBLE, Medians, compare, effects_agree, sim_check
+from topkv.harness.sim_check import (
+    NEGLIGIBLE,
+    Medians,
+    compare,
+    effects_agree,
+    sim_check,
+    stand_in_compute,
+    stand_in_workload,
+)
 from topkv.harness.stand_in import Deployment
 
 REQUESTS = load_requests(find_trace(None), 12, seed=0, speedup=1.5)
@@ -105,3 +114,30 @@ def test_no_completed_request_is_no_check() -> None:
     check = sim_check(Deployment.parse("Llama-3-70B"), failed, _summary((1, 1), (1, 1)),
                       pipelining=True, decode_slots=2, new_tokens=8)  # fmt: skip
     assert check["agree"] is False and check["requests"] == 0 and "error" in check
+
+
+def test_the_stand_ins_decode_takes_as_long_as_the_demos_in_its_time() -> None:
+    deployment = Deployment.parse("Llama-3-70B")
+    _, scale = stand_in_workload(deployment, RESULTS, 8)
+    compute, factor = stand_in_compute(deployment, RESULTS, 8, scale)
+
+    def decode_s(model: Any, results: list[Any]) -> float:
+        return sum(model.decode_step_s(1, r.prompt_len + t) for r in results for t in range(7))
+
+    demo_s = sum(r.decode_ms for r in RESULTS) * 1e-3 * scale
+    assert decode_s(compute, RESULTS) == pytest.approx(demo_s)
+    assert factor == pytest.approx(demo_s / decode_s(deployment.compute, RESULTS))
+    # the demo model decodes 8 tokens in 50 ms against a prefill of 0.45 ms per token:
+    # relative to its prefill, much faster than Llama-3-70B's decode on DGX-H100
+    assert 0 < factor < 1
+    slower = [replace(r, decode_ms=2 * r.decode_ms) for r in RESULTS]
+    assert stand_in_compute(deployment, slower, 8, scale)[1] == pytest.approx(2 * factor)
+    check = _check(_summary((5.0, 230.0), (5.5, 230.5)))
+    assert check["decode_scale"] == pytest.approx(factor, rel=1e-3)
+
+
+def test_nothing_to_match_leaves_the_stand_ins_decode_alone() -> None:
+    deployment = Deployment.parse("Llama-3-70B")
+    undecoded = [replace(r, decode_ms=math.nan) for r in RESULTS]
+    assert stand_in_compute(deployment, undecoded, 8, 0.1) == (deployment.compute, 1.0)
+    assert stand_in_compute(deployment, RESULTS, 1, 0.1) == (deployment.compute, 1.0)

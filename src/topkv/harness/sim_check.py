@@ -5,9 +5,10 @@ The simulator runs the stand-in deployment (:mod:`topkv.harness.stand_in`) in th
 shape (two prefill and two decode instances, two decode slots each, one prompt per forward
 pass) on the run's requests: their prompt lengths, their arrivals scaled by the ratio of the
 stand-in's prefill time to the demo's (the sum over the requests of the roofline's prefill
-time over the sum of the measured ``prefill_ms``), so that the stand-in is as loaded as the
-demo was. Topology-aware is the cost policy (the demo's ``CostPolicy``), uniform RDMA the
-``uniform-rdma`` policy; pipelining as the demo ran.
+time over the sum of the measured ``prefill_ms``), and its decode steps scaled so that decode
+holds the decode slots as long as the demo's did (:func:`stand_in_compute`), so that the
+stand-in is as loaded as the demo was. Topology-aware is the cost policy (the demo's
+``CostPolicy``), uniform RDMA the ``uniform-rdma`` policy; pipelining as the demo ran.
 
 Demo (wall-clock ms, dilated) and simulator (the stand-in's ms) are compared as
 dimensionless *effects* of uniform RDMA over topology-aware selection, both relative to the
@@ -21,11 +22,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from topkv.demo.results import RequestResult
 from topkv.harness.stand_in import Deployment
+from topkv.sim.compute import ComputeModel
 from topkv.sim.result import PolicyResult
 from topkv.sim.runner import SimConfig, run_policy
 from topkv.traces import Request, Workload
@@ -115,6 +117,30 @@ def stand_in_workload(
     return Workload("topkv-demo (stand-in time)", tuple(requests)), scale
 
 
+def stand_in_compute(
+    deployment: Deployment, results: Sequence[RequestResult], new_tokens: int, scale: float
+) -> tuple[ComputeModel, float]:
+    """The stand-in's compute with its decode as long, in its time, as the demo's was.
+
+    The arrivals' ``scale`` makes the stand-in's prefill as loaded as the demo's; decode
+    holds the decode slots that prefill waits for, so its share must match too, or the
+    stand-in queues for another reason than the demo did (Llama-3-70B's 8 tokens on
+    DGX-H100 take ~6x its prefill of a demo prompt; the demo model's, ~0.7x). The factor
+    is the demo's measured decode time in stand-in time (times ``scale``) over the
+    roofline's, each request's ``new_tokens - 1`` steps alone. Returns the model and the
+    factor (1.0 where there is nothing to match)."""
+    ok = [r for r in results if r.error is None and math.isfinite(r.decode_ms)]
+    compute = deployment.compute
+    demo_s = sum(r.decode_ms for r in ok) * 1e-3 * scale
+    roofline_s = sum(
+        compute.decode_step_s(1, r.prompt_len + step) for r in ok for step in range(new_tokens - 1)
+    )
+    if not (demo_s > 0 and roofline_s > 0 and math.isfinite(demo_s)):
+        return compute, 1.0
+    factor = demo_s / roofline_s
+    return replace(compute, decode_scale=compute.decode_scale * factor), factor
+
+
 def _sim_medians(topology: PolicyResult, uniform: PolicyResult) -> Medians:
     def p50(result: PolicyResult, values: Any) -> float:
         ms = result.pct_ms(values, 50)
@@ -139,18 +165,22 @@ def sim_check(
 ) -> dict[str, Any]:
     """``summary.sim_check``: the simulator's p50s on the stand-in and the agreement."""
     workload, scale = stand_in_workload(deployment, results, new_tokens)
+    compute, decode_factor = stand_in_compute(deployment, results, new_tokens, scale)
     out: dict[str, Any] = {
         "how": (
             f"topkv sim of {deployment.model.name} on {deployment.cluster.name} (TP "
             f"{deployment.tp}) in the demo's shape, 2 prefill + 2 decode instances, on the "
             "run's prompt lengths with its arrivals scaled by the stand-in's prefill time over "
-            f"the demo's; policies {TOPOLOGY_AWARE_POLICY} vs {UNIFORM_POLICY}; effects are "
+            "the demo's and its decode steps scaled so that decode takes as long, in the "
+            "stand-in's time, as the demo's did (decode_scale); policies "
+            f"{TOPOLOGY_AWARE_POLICY} vs {UNIFORM_POLICY}; effects are "
             "fractions of the topology-aware TTFT p50; agree: both under "
             f"{NEGLIGIBLE:.0%}, or one direction within {SIZE_FACTOR:g}x"
         ),
         "cluster": deployment.demo_shaped().name,
         "requests": len(workload.requests),
         "time_scale": _round(scale),
+        "decode_scale": _round(decode_factor),
         "pipelining": pipelining,
     }
     if not workload.requests or not math.isfinite(scale):
@@ -162,7 +192,7 @@ def sim_check(
         tp=deployment.tp,
         pipelining=pipelining,
         max_prefill_tokens=1,  # one prompt per forward pass, as the demo's workers
-        compute=deployment.compute,
+        compute=compute,
         decode_slots=decode_slots,
     )
     topology = run_policy(config, workload, TOPOLOGY_AWARE_POLICY)
