@@ -114,6 +114,9 @@ class Stack:
                     ids += choice.get("token_ids") or []
                     if on_token is not None and choice.get("token_ids"):
                         on_token(len(ids), headers)
+                        # the gap is what the client waits for the stream, not for its own
+                        # callback (a kill waits until the kernel reaped the process)
+                        last = time.monotonic()
         return headers, ids, chunks, gap
 
     def metric(self, name: str, labels: str = "") -> float:
