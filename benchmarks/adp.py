@@ -7,7 +7,7 @@ instances) under the paper's transport policy:
 * static 1:1 (4 prefill + 4 decode instances);
 * every static split P:(8-P), in lowest terms; the best in hindsight is the one with the
   lowest TTFT p99 (as ``topkv sim --pd-ratio sweep`` names it);
-* ADP from 1:1 with the defaults of :class:`topkv.policy.adp.ADPConfig`.
+* ADP from 1:1 with the defaults of :class:`topkv.policy.adp.pool.ADPConfig`.
 
 ServeGen m-large is the packaged first day (:data:`topkv.packaged.SERVEGEN_DAY`, 162
 clients, 144 ten-minute windows) scaled to the cluster: every client's rate multiplied by
@@ -36,7 +36,7 @@ import numpy as np
 
 from topkv.kv.catalog import get_model
 from topkv.packaged import SAMPLE_TRACE, SERVEGEN_DAY
-from topkv.policy.adp import ADPConfig
+from topkv.policy.adp.pool import ADPConfig
 from topkv.sim.cluster import load_cluster_spec
 from topkv.sim.result import PolicyResult
 from topkv.sim.runner import SimConfig, run_policy

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from topkv.kv.catalog import get_model
 from topkv.packaged import SAMPLE_TRACE
-from topkv.policy.moe import STRATEGIES
+from topkv.policy.moe.router import STRATEGIES
 from topkv.sim.cluster import load_cluster_spec
 from topkv.sim.moe import BASELINE, MoESimOptions, run_moe_routers
 from topkv.sim.runner import SimConfig

@@ -22,7 +22,7 @@ Targets (issue #5): >= 10,000 transfers/s and p50 <= 100 us.
 ``auth`` (issue #13): what bearer-token checks cost, measured in the same run with them off.
 ``check_us``: one :meth:`Credentials.authenticate` (SHA-256 of the token, constant-time
 compares against one admin and 64 worker digests); ``http``: requests per second through
-the same :func:`~topkv.service.auth.secured_app` stack the orchestrator serves (a trivial
+the same :func:`~topkv.service.http.auth.secured_app` stack the orchestrator serves (a trivial
 admin endpoint, keep-alive loopback HTTP, 32 concurrent), auth on vs off, and the ratio.
 The relay's transfers/s above does not pass through HTTP, so auth cannot change it; at
 10,000 transfers/s the checks cost ``10,000 * check_us`` microseconds of CPU per second.
@@ -43,9 +43,9 @@ import time
 from topkv.relay.executor import AttemptPlan, Delivery
 from topkv.relay.orchestrator import Orchestrator
 from topkv.relay.orchestrator_config import OrchestratorConfig
-from topkv.relay.registry import MemoryRegistry
+from topkv.relay.registry.memory import MemoryRegistry
 from topkv.relay.workers import WorkerInfo
-from topkv.service.auth import Access, Credentials, Route, ServerAuth, new_token, secured_app
+from topkv.service.http.auth import Access, Credentials, Route, ServerAuth, new_token, secured_app
 from topkv.transport.base import KVLayout
 
 LAYOUT = KVLayout(num_layers=1, seq_len=1, kv_heads=1, head_dim=8)  # 32 bytes

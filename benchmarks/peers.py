@@ -234,7 +234,7 @@ def main() -> None:
     _in_private_netns()
     sys.path.insert(0, str(ROOT / "src"))
     from topkv.harness.transfer_bench import bench_layout
-    from topkv.transport.engines import missing_package
+    from topkv.transport.arena.factory import missing_package
 
     size = bench_layout(size).total_bytes  # the TopKV runs' exact size, for every row
     rows: dict[str, dict[str, Any]] = {}

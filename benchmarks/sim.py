@@ -14,7 +14,7 @@ from pathlib import Path
 from topkv.kv.catalog import get_model
 from topkv.packaged import SAMPLE_TRACE
 from topkv.sim.cluster import load_cluster_spec
-from topkv.sim.engine import make_loop
+from topkv.sim.events import make_loop
 from topkv.sim.runner import POLICIES, SimConfig, run_policy
 from topkv.traces import Request, Workload, head, load_trace, scale_rate
 

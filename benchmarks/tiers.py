@@ -41,8 +41,8 @@ import numpy as np
 
 from topkv.policy.tiers import TierSpec
 from topkv.service.kvstore import HeldKV
-from topkv.service.tier_arena import Arena
-from topkv.service.tier_stores import DiskTierStore, MemoryTierStore
+from topkv.service.tiers.arena import Arena
+from topkv.service.tiers.stores import DiskTierStore, MemoryTierStore
 from topkv.transport.base import KVLayout
 from topkv.wire import crc64
 
@@ -160,8 +160,8 @@ def _device_tier(kv: HeldKV, repeat: int, device: str) -> dict[str, Any]:
         return {"ran": False, "why": "--device none"}
     if device == "auto" and not torch.cuda.is_available():
         return {"ran": False, "why": f"torch {torch.__version__} sees no CUDA GPU"}
-    from topkv.service.tier_device import TorchDeviceTier
-    from topkv.service.tier_torch_arena import TorchArena
+    from topkv.service.tiers.device import TorchDeviceTier
+    from topkv.service.tiers.torch_arena import TorchArena
 
     dev = torch.device("cuda" if device == "auto" else device)
     cuda = dev.type == "cuda"

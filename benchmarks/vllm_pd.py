@@ -15,7 +15,7 @@ otherwise: ``scripts/install-vllm.sh`` makes it).
 
 ``--affinity [--rounds R]`` measures something else instead: TTFT of repeated-prefix
 requests through the front door with the picker's prefix affinity on and off, over the
-same two prefill and one decode instances (:mod:`topkv.integrations.vllm.affinity_bench`);
+same two prefill and one decode instances (:mod:`topkv.integrations.vllm.stack.affinity_bench`);
 its JSON is ``{"affinity": {...}, "no_affinity": {...}, "ttft_p50_ratio",
 "ttft_mean_ratio", "prefill_mean_ratio", ...}``.
 """
@@ -107,15 +107,15 @@ def main() -> None:
     if args.affinity:
         _affinity(args.json, args.rounds)
         return
-    from topkv.integrations.vllm.launch import (
+    from topkv.integrations.vllm.stack.launch import (
         VllmStartError,
         kv_transfer_config,
         start_vllm,
         stop_instances,
         wait_healthy,
     )
-    from topkv.integrations.vllm.model import VOCAB_SIZE, write_tiny_llama
-    from topkv.service.cluster import Supervisor
+    from topkv.integrations.vllm.stack.model import VOCAB_SIZE, write_tiny_llama
+    from topkv.service.cluster.local import Supervisor
 
     root = Path(tempfile.mkdtemp(prefix="topkv-vllm-pd-"))
     model = write_tiny_llama(root / "model")
@@ -246,7 +246,10 @@ def main() -> None:
 
 
 def _affinity(as_json: bool, rounds: int) -> None:
-    from topkv.integrations.vllm.affinity_bench import AffinityBenchOptions, run_affinity_bench
+    from topkv.integrations.vllm.stack.affinity_bench import (
+        AffinityBenchOptions,
+        run_affinity_bench,
+    )
 
     root = Path(tempfile.mkdtemp(prefix="topkv-vllm-affinity-"))
     report = run_affinity_bench(sys.executable, root, AffinityBenchOptions(rounds=rounds))

@@ -35,7 +35,7 @@ test -x "$venv/bin/python" || "$python" -m venv "$venv"
   || echo "install-vllm: Mooncake not installed; the connector will not offer mooncake" >&2
 "$venv/bin/python" -c "import mooncake.engine" 2>/dev/null \
   || echo "install-vllm: mooncake.engine does not load (run scripts/install-peers.sh mooncake for its Debian libraries)" >&2
-"$venv/bin/python" -c "import vllm, topkv.integrations.vllm.connector" 2>&1 | grep -v Triton || true
-"$venv/bin/python" -c "import topkv.integrations.vllm.connector"
+"$venv/bin/python" -c "import vllm, topkv.integrations.vllm.connector.kv_connector" 2>&1 | grep -v Triton || true
+"$venv/bin/python" -c "import topkv.integrations.vllm.connector.kv_connector"
 touch "$stamp"
 echo "install-vllm: vLLM $("$venv/bin/python" -c 'import vllm; print(vllm.__version__)') in $venv"

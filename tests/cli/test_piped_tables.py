@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from topkv.cli.console import PIPED_WIDTH, stdout_console
 from topkv.cli.main import _typer_app
-from topkv.service.status import render_status
+from topkv.cli.status import render_status
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 H100_TOPO = FIXTURES / "nvidia-smi-topo" / "sglang-30401-h100-8gpu-nv18-8nic.txt"

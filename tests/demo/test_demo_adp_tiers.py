@@ -10,7 +10,7 @@ import pytest
 from demo_results import result
 from test_demo_cli import KEYS, _run_demo
 
-from topkv.demo.adaptive import (
+from topkv.demo.adp import (
     PairedRun,
     adp_json,
     demo_adp_config,
@@ -23,7 +23,7 @@ from topkv.demo.report import JSON_REQUEST_KEYS, TIER_REQUEST_KEYS, request_json
 from topkv.demo.results import RequestResult
 from topkv.demo.tiers import tiers_json
 from topkv.jsonout import loads_strict
-from topkv.policy.adp import DEFAULT_ADP
+from topkv.policy.adp.pool import DEFAULT_ADP
 
 
 def _result(rid: int, ttft_ms: float, **over: object) -> RequestResult:

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from topkv.demo.adaptive import PairedRun, pairs_json
+from topkv.demo.adp import PairedRun, pairs_json
 from topkv.demo.compute import (
     PACED_LABEL,
     REAL_LABEL,
@@ -16,7 +16,7 @@ from topkv.demo.compute import (
 )
 from topkv.demo.errors import DemoError
 from topkv.jsonout import loads_strict
-from topkv.service.engine_pace import PaceStats
+from topkv.service.compute.pace import PaceStats
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from topkv.policy.adp import (
+from topkv.policy.adp.pool import (
     AdaptiveDecoderPool,
     ADPConfig,
     RushDetector,

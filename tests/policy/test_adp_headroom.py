@@ -8,7 +8,7 @@ from dataclasses import replace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from topkv.policy.adp import (
+from topkv.policy.adp.pool import (
     ADPConfig,
     WorkerView,
     decode_in_use,

@@ -11,8 +11,8 @@ from dataclasses import replace
 
 import pytest
 
-from topkv.policy.adp import AdaptiveDecoderPool, ADPConfig, WorkerView, plan_conversions
-from topkv.policy.adp_memory import decode_bound, kv_fits, kv_known, kv_runs_out
+from topkv.policy.adp.memory import decode_bound, kv_fits, kv_known, kv_runs_out
+from topkv.policy.adp.pool import AdaptiveDecoderPool, ADPConfig, WorkerView, plan_conversions
 from topkv.policy.clock import ManualClock
 from topkv.policy.errors import PolicyInputError
 

@@ -17,8 +17,8 @@ from topkv.policy import (
     pair_view_from_facts,
 )
 from topkv.policy.errors import PolicyInputError
-from topkv.policy.moe import STRATEGIES, MoERequest, MoERouter, MoETarget
-from topkv.policy.moe_experts import ExpertReplica, ExpertSnapshot, MoEWeights
+from topkv.policy.moe.experts import ExpertReplica, ExpertSnapshot, MoEWeights
+from topkv.policy.moe.router import STRATEGIES, MoERequest, MoERouter, MoETarget
 
 SOURCE = Endpoint("nodeA", 0)
 SELECTOR = CostPolicy()

@@ -2,7 +2,7 @@
 
 The policy runs on a manual clock (so the rush, its hold and the conversions happen at
 the same policy times on a loaded box); everything else is real: the workers are
-:class:`~topkv.service.worker.WorkerService` instances whose KV crosses shm/TCP, each
+:class:`~topkv.service.worker.service.WorkerService` instances whose KV crosses shm/TCP, each
 conversion is ``POST /v1/role`` on the worker and a re-registration in the registry, and
 every request's delivered bytes are checked against what the prefill engine produced.
 Waits on real events are bounded by deadlines, never by fixed sleeps.
@@ -17,17 +17,17 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 import pytest
 
 from topkv.harness.inprocess_cluster import InProcessCluster, WorkerSpec
-from topkv.policy.adp import ADPConfig
+from topkv.policy.adp.pool import ADPConfig
 from topkv.policy.clock import ManualClock
 from topkv.relay.adp import LiveAdaptivePool
 from topkv.relay.orchestrator import Orchestrator
-from topkv.relay.registry import MemoryRegistry, WorkerRegistry, open_registry
+from topkv.relay.registry.memory import MemoryRegistry, WorkerRegistry, open_registry
 from topkv.relay.transfers import Outcome, TransferRecord
 from topkv.relay.workers import Role, WorkerInfo
 from topkv.service.kvstore import synthetic_layers
 from topkv.service.messages import LayoutModel, PrefillRequest
-from topkv.service.remote_executor import RemoteExecutor
-from topkv.service.worker import WorkerFaults
+from topkv.service.orchestrator.executor import RemoteExecutor
+from topkv.service.worker.service import WorkerFaults
 from topkv.transport.base import Buffer, KVLayout
 from topkv.wire import crc64
 

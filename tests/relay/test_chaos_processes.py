@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from topkv.errors import ConfigError
 from topkv.harness.chaos import REPORT_KEYS
 from topkv.jsonout import loads_strict
-from topkv.service.worker import FAULTS_ENV, WorkerFaults
+from topkv.service.worker.service import FAULTS_ENV, WorkerFaults
 
 
 def test_processes_run_meets_every_condition(tmp_path: Path) -> None:

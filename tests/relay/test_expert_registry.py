@@ -10,11 +10,10 @@ import pytest
 from pydantic import ValidationError
 
 from topkv.policy.clock import ManualClock
-from topkv.relay.expert_stats import ExpertReport, ExpertStat
-from topkv.relay.experts import ExpertRegistry
 from topkv.relay.liveview import LiveWorkerView
-from topkv.relay.registry import MemoryRegistry, open_registry
-from topkv.relay.workers import WorkerInfo
+from topkv.relay.moe.experts import ExpertRegistry
+from topkv.relay.registry.memory import MemoryRegistry, open_registry
+from topkv.relay.workers import ExpertReport, ExpertStat, WorkerInfo
 from topkv.service.messages import RegisterRequest
 
 

@@ -12,10 +12,10 @@ import time
 import pytest
 
 from topkv.errors import ConfigError
-from topkv.relay.etcd_access import parse_etcd_url
-from topkv.relay.leader import Candidate, ElectionTiming, LeaderRecord, parse_leader_elect
-from topkv.relay.leader_etcd import EtcdLeaderBackend
-from topkv.relay.leader_loop import LeaderElection
+from topkv.relay.leader.base import Candidate, ElectionTiming, LeaderRecord, parse_leader_elect
+from topkv.relay.leader.etcd import EtcdLeaderBackend
+from topkv.relay.leader.loop import LeaderElection
+from topkv.relay.registry.etcd_access import parse_etcd_url
 
 LEASE_S = 2.0
 
@@ -124,8 +124,8 @@ def test_a_crashed_leader_is_replaced_within_the_lease(etcd_url: str) -> None:
 
 
 def test_leader_election_needs_a_shared_registry() -> None:
-    from topkv.service.http_api import OrchestratorServiceConfig
-    from topkv.service.leadership import LeaderElectConfig
+    from topkv.service.orchestrator.api import OrchestratorServiceConfig
+    from topkv.service.orchestrator.leadership import LeaderElectConfig
 
     backend = EtcdLeaderBackend(parse_etcd_url("etcd://127.0.0.1:1"), LEASE_S)
     elect = LeaderElectConfig(backend=backend, identity="a")

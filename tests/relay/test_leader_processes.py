@@ -30,9 +30,9 @@ import aiohttp
 import pytest
 
 from topkv.harness.inprocess_cluster import InProcessCluster, WorkerSpec
-from topkv.relay.registry_etcd import EtcdRegistry
-from topkv.service.auth import new_token, write_token_file
-from topkv.service.fencing import EPOCH_HEADER
+from topkv.relay.registry.etcd import EtcdRegistry
+from topkv.service.http.auth import new_token, write_token_file
+from topkv.service.http.fencing import EPOCH_HEADER
 
 pytestmark = pytest.mark.etcd
 

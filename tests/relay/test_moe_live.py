@@ -16,15 +16,15 @@ from tiny_models import TINY
 from topkv.harness.inprocess_cluster import InProcessCluster, WorkerSpec
 from topkv.policy.route import DecodeWorkerView, RoutingPolicy
 from topkv.policy.view import TransferRequest
-from topkv.relay.experts import ExpertRegistry
+from topkv.relay.moe.experts import ExpertRegistry
 from topkv.relay.orchestrator import Orchestrator
 from topkv.relay.pairs import PairViewCache, endpoint_of
-from topkv.relay.registry import MemoryRegistry
+from topkv.relay.registry.memory import MemoryRegistry
 from topkv.relay.transfers import TransferState
 from topkv.relay.workers import Role
-from topkv.service.engines import EngineSpec, HfEngine
+from topkv.service.compute.engines import EngineSpec, HfEngine
 from topkv.service.messages import GenerateRequest, LayoutModel, PrefillRequest
-from topkv.service.remote_executor import RemoteExecutor
+from topkv.service.orchestrator.executor import RemoteExecutor
 from topkv.transport.base import KVLayout
 
 pytestmark = pytest.mark.model

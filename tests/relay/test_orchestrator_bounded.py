@@ -8,7 +8,7 @@ from collections.abc import Awaitable
 
 import pytest
 
-from topkv.relay.bounded import bounded
+from topkv.relay.attempts.bounded import bounded
 
 
 async def _immediate(value: int) -> int:

@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 from topkv.relay.executor import AttemptFailed, AttemptPlan, Delivery
 from topkv.relay.orchestrator import Orchestrator
 from topkv.relay.orchestrator_config import OrchestratorConfig
-from topkv.relay.registry import MemoryRegistry
+from topkv.relay.registry.memory import MemoryRegistry
 from topkv.relay.transfers import FailureKind, Outcome, TransferState
 from topkv.relay.workers import WorkerInfo
 from topkv.transport.base import KVLayout

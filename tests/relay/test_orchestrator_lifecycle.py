@@ -13,7 +13,7 @@ import pytest
 from topkv.relay.executor import AttemptFailed, AttemptPlan, Delivery
 from topkv.relay.orchestrator import Orchestrator, QueueFull, UnknownWorker
 from topkv.relay.orchestrator_config import OrchestratorConfig, RetryPolicy
-from topkv.relay.registry import MemoryRegistry
+from topkv.relay.registry.memory import MemoryRegistry
 from topkv.relay.transfers import (
     DuplicateRequest,
     FailureKind,

@@ -1,8 +1,8 @@
 """The orchestrator over real transports (shm, TCP), real registries, and /metrics over HTTP.
 
-The workers are :class:`~topkv.service.worker.WorkerService` instances in the test's event
+The workers are :class:`~topkv.service.worker.service.WorkerService` instances in the test's event
 loop (:class:`~topkv.harness.inprocess_cluster.InProcessCluster`), driven over their control
-APIs by a :class:`~topkv.service.remote_executor.RemoteExecutor`.
+APIs by a :class:`~topkv.service.orchestrator.executor.RemoteExecutor`.
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ from topkv.harness.inprocess_cluster import InProcessCluster, WorkerSpec
 from topkv.relay.metrics import serve_metrics
 from topkv.relay.orchestrator import Orchestrator
 from topkv.relay.orchestrator_config import OrchestratorConfig
-from topkv.relay.registry import MemoryRegistry, WorkerRegistry, open_registry
+from topkv.relay.registry.memory import MemoryRegistry, WorkerRegistry, open_registry
 from topkv.relay.transfers import Outcome, TransferState
 from topkv.relay.workers import Role, WorkerInfo
 from topkv.service.kvstore import synthetic_layers
 from topkv.service.messages import LayoutModel, PrefillRequest
-from topkv.service.remote_executor import RemoteExecutor
-from topkv.service.worker import WorkerFaults
+from topkv.service.orchestrator.executor import RemoteExecutor
+from topkv.service.worker.service import WorkerFaults
 from topkv.transport.base import Buffer, KVLayout
 from topkv.transport.shm import segments_of
 from topkv.wire import crc64

@@ -16,7 +16,7 @@ from topkv.policy.select import TransportSelector
 from topkv.relay.executor import AttemptPlan, Delivery
 from topkv.relay.orchestrator import Orchestrator
 from topkv.relay.pairs import CachingSelector
-from topkv.relay.registry import MemoryRegistry, Registration
+from topkv.relay.registry.memory import MemoryRegistry, Registration
 from topkv.relay.transfers import TransferState
 from topkv.relay.workers import WorkerCapabilities, WorkerInfo
 from topkv.transport.base import KVLayout

@@ -10,8 +10,8 @@ import pytest
 
 from topkv.errors import ConfigError
 from topkv.policy.clock import ManualClock
-from topkv.relay.registry import MemoryRegistry, RegistryError, open_registry
-from topkv.relay.registry_etcd import EtcdRegistry
+from topkv.relay.registry.etcd import EtcdRegistry
+from topkv.relay.registry.memory import MemoryRegistry, RegistryError, open_registry
 from topkv.relay.workers import RegistryEvent, WorkerInfo
 
 

@@ -18,7 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from topkv.errors import ConfigError
-from topkv.relay.etcd_access import (
+from topkv.relay.registry.etcd_access import (
     DEFAULT_PREFIX,
     EtcdAccess,
     EtcdLogin,
@@ -26,8 +26,8 @@ from topkv.relay.etcd_access import (
     parse_etcd_url,
     redact_url,
 )
-from topkv.relay.etcd_session import explain_failure
-from topkv.relay.registry import open_registry, redact_registry_url
+from topkv.relay.registry.etcd_session import explain_failure
+from topkv.relay.registry.memory import open_registry, redact_registry_url
 
 _SECRET = "Zx9-secret"
 

@@ -26,9 +26,9 @@ from etcd_servers import (
     stop_etcd,
 )
 from tls_certs import make_ca, make_leaf, need_openssl
-from topkv.relay.etcd_session import EtcdSession
-from topkv.relay.registry import RegistryError, open_registry
-from topkv.relay.registry_etcd import EtcdRegistry
+from topkv.relay.registry.etcd import EtcdRegistry
+from topkv.relay.registry.etcd_session import EtcdSession
+from topkv.relay.registry.memory import RegistryError, open_registry
 from topkv.relay.workers import RegistryEvent, WorkerInfo
 
 pytestmark = pytest.mark.etcd

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from service_helpers import start_etcd, stop_etcd
 
-from topkv.service.cluster import ClusterConfig, LocalCluster
+from topkv.service.cluster.local import ClusterConfig, LocalCluster
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 from hypothesis import strategies as st
 
-from topkv.service.httputil import MAX_JSON_DEPTH
+from topkv.service.http.util import MAX_JSON_DEPTH
 
 T = TypeVar("T")
 

@@ -16,12 +16,12 @@ from typing import Any
 
 import pytest
 
-from topkv.policy.adp import ADPConfig
-from topkv.service.auth import Credentials, ServerAuth
-from topkv.service.client import ApiError, OrchestratorClient
-from topkv.service.cluster_tokens import ClusterTokens
-from topkv.service.http_api import OrchestratorServiceConfig, serve_orchestrator
-from topkv.service.worker import WorkerConfig, WorkerFaults, WorkerService
+from topkv.policy.adp.pool import ADPConfig
+from topkv.service.cluster.tokens import ClusterTokens
+from topkv.service.http.auth import Credentials, ServerAuth
+from topkv.service.orchestrator.api import OrchestratorServiceConfig, serve_orchestrator
+from topkv.service.orchestrator.client import ApiError, OrchestratorClient
+from topkv.service.worker.service import WorkerConfig, WorkerFaults, WorkerService
 
 LAYOUT = {"num_layers": 4, "seq_len": 256, "kv_heads": 2, "head_dim": 64}  # 512 KiB
 ADP = ADPConfig(

@@ -38,12 +38,12 @@ from hostile_http import (
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from topkv.relay.registry import MemoryRegistry
-from topkv.service.auth import Credentials, Principal, new_token
-from topkv.service.cluster_tokens import ClusterTokens
-from topkv.service.http_api import OrchestratorServiceConfig, serve_orchestrator
-from topkv.service.httputil import MAX_BODY_BYTES, MAX_JSON_DEPTH, json_problem
-from topkv.service.registrations import RegistrationLimits, Registrations
+from topkv.relay.registry.memory import MemoryRegistry
+from topkv.service.cluster.tokens import ClusterTokens
+from topkv.service.http.auth import Credentials, Principal, new_token
+from topkv.service.http.util import MAX_BODY_BYTES, MAX_JSON_DEPTH, json_problem
+from topkv.service.orchestrator.api import OrchestratorServiceConfig, serve_orchestrator
+from topkv.service.orchestrator.registrations import RegistrationLimits, Registrations
 
 
 @dataclass
@@ -321,7 +321,7 @@ class _FakeRequest(dict[Any, Any]):
 
     def __init__(self, body: dict[str, Any], principal: Principal | None, remote: str) -> None:
         super().__init__()
-        from topkv.service.auth import PRINCIPAL_KEY
+        from topkv.service.http.auth import PRINCIPAL_KEY
 
         self._body = json.dumps(body).encode()
         self.remote = remote

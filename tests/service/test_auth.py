@@ -24,7 +24,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from topkv.errors import ConfigError
-from topkv.service.auth import (
+from topkv.service.cluster.tokens import ClusterTokens
+from topkv.service.http.auth import (
     Credentials,
     ServerAuth,
     auth_headers,
@@ -34,8 +35,7 @@ from topkv.service.auth import (
     read_token_lines,
     write_token_file,
 )
-from topkv.service.cluster_tokens import ClusterTokens
-from topkv.service.http_api import OrchestratorServiceConfig, serve_orchestrator
+from topkv.service.orchestrator.api import OrchestratorServiceConfig, serve_orchestrator
 
 TOPKV = [sys.executable, "-c", "from topkv.cli.main import app; app()"]
 

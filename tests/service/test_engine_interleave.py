@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from topkv.service.engines import ENGINE_THREADS, EngineSpec, EngineTurns, HfEngine
+from topkv.service.compute.engines import ENGINE_THREADS, EngineSpec, EngineTurns, HfEngine
 from topkv.service.kvstore import HeldKV
 from topkv.service.messages import PrefillRequest
 

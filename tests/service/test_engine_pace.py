@@ -17,14 +17,14 @@ from typer.testing import CliRunner
 
 from topkv.cli.services import register
 from topkv.errors import ConfigError
-from topkv.service.engine_pace import (
+from topkv.service.compute.engines import EngineSpec, EngineTurns
+from topkv.service.compute.pace import (
     ComputePacer,
     PaceCollector,
     PaceStats,
     check_pace,
     check_torch_threads,
 )
-from topkv.service.engines import EngineSpec, EngineTurns
 
 
 class FakeClocks:
@@ -245,7 +245,7 @@ def test_a_paced_model_engine_counts_its_turns_and_keeps_its_tokens() -> None:
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from topkv.engine import DemoModelConfig
-    from topkv.service.engines import HfEngine
+    from topkv.service.compute.engines import HfEngine
     from topkv.service.kvstore import HeldKV
     from topkv.service.messages import PrefillRequest
 

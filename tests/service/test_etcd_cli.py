@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from etcd_servers import WORKER_PASSWORD, enable_auth, start_etcd, stop_etcd
-from topkv.cli.security_options import apply_etcd_env, check_etcd_env, etcd_env, etcd_flags
+from topkv.cli.options.security import apply_etcd_env, check_etcd_env, etcd_env, etcd_flags
 from topkv.errors import ConfigError
 from topkv.jsonout import loads_strict
 

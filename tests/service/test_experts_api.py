@@ -8,8 +8,8 @@ from typing import Any
 
 import aiohttp
 
-from topkv.service.auth import Credentials, ServerAuth, auth_headers, new_token
-from topkv.service.http_api import OrchestratorServiceConfig, serve_orchestrator
+from topkv.service.http.auth import Credentials, ServerAuth, auth_headers, new_token
+from topkv.service.orchestrator.api import OrchestratorServiceConfig, serve_orchestrator
 
 
 def _worker(wid: str, node: str, experts: range, compute_s: float = 1e-3) -> dict[str, Any]:

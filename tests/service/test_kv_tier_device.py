@@ -22,8 +22,8 @@ import pytest
 
 from topkv.errors import ConfigError
 from topkv.service.kvstore import HeldKV, synthetic_kv
-from topkv.service.tier_config import TierConfig
-from topkv.service.tier_device import (
+from topkv.service.tiers.config import TierConfig
+from topkv.service.tiers.device import (
     GPU,
     HOST_STAND_IN,
     HostStandIn,
@@ -31,15 +31,15 @@ from topkv.service.tier_device import (
     choose_device_tier,
     open_device_tier,
 )
-from topkv.service.tier_stores import TierFull, TierKVLost
-from topkv.service.tiered_kv import DEVICE, open_tiered_kv
+from topkv.service.tiers.stores import TierFull, TierKVLost
+from topkv.service.tiers.tiered import DEVICE, open_tiered_kv
 from topkv.topology.tiers import TierInventory
 from topkv.transport.base import KVLayout
 from topkv.wire import crc64
 
 torch = pytest.importorskip("torch")
 
-from topkv.service.tier_torch_arena import (  # noqa: E402  (after the torch skip)
+from topkv.service.tiers.torch_arena import (  # noqa: E402  (after the torch skip)
     CorruptCopy,
     TorchArena,
     TorchArenaFull,
@@ -84,9 +84,10 @@ def test_torch_is_imported_only_when_a_torch_tier_is_opened() -> None:
     stand-in never import it."""
     code = (
         "import sys\n"
-        "import topkv.service.worker, topkv.service.tier_device, topkv.service.tier_torch_arena\n"
-        "from topkv.service.tier_config import TierConfig\n"
-        "from topkv.service.tier_device import open_device_tier\n"
+        "import topkv.service.worker.service, topkv.service.tiers.device\n"
+        "import topkv.service.tiers.torch_arena\n"
+        "from topkv.service.tiers.config import TierConfig\n"
+        "from topkv.service.tiers.device import open_device_tier\n"
         "open_device_tier(TierConfig(1, device_tier='host-stand-in'))\n"
         "assert 'torch' not in sys.modules, 'torch imported'\n"
         "open_device_tier(TierConfig(1, device_bytes=1 << 20), 'cpu').close()\n"
@@ -434,7 +435,7 @@ def test_auto_chooses_the_gpu_and_labels_it(tmp_path: Path) -> None:
 def test_worker_status_and_metrics_say_which_device_tier(monkeypatch: pytest.MonkeyPatch) -> None:
     from prometheus_client import generate_latest
 
-    from topkv.service import worker_tiers
+    from topkv.service.worker.service import tiers as worker_tiers
 
     stand_in = worker_tiers.WorkerTiers(
         TierConfig(1, host_bytes=1 << 20, device_tier="host-stand-in")

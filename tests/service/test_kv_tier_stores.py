@@ -17,16 +17,16 @@ from topkv.errors import ConfigError
 from topkv.policy.tiers import TierSpec
 from topkv.service.errors import ServiceError
 from topkv.service.kvstore import CapacityExceeded, HeldKV, synthetic_kv
-from topkv.service.tier_arena import Arena
-from topkv.service.tier_config import TierConfig, build_tier_stores
-from topkv.service.tier_stores import (
+from topkv.service.tiers.arena import Arena
+from topkv.service.tiers.config import TierConfig, build_tier_stores
+from topkv.service.tiers.stores import (
     DiskTierStore,
     MemoryTierStore,
     TierFull,
     TierKVLost,
     check_directory,
 )
-from topkv.service.tiered_kv import DEVICE, TieredKV, open_tiered_kv
+from topkv.service.tiers.tiered import DEVICE, TieredKV, open_tiered_kv
 from topkv.topology.tiers import MemoryNode, TierInventory
 from topkv.transport.base import KVLayout
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from topkv.cli.tier_options import tier_config
-from topkv.service.tier_config import TierConfig
+from topkv.cli.options.tiers import tier_config
+from topkv.service.tiers.config import TierConfig
 
 TOPKV = [sys.executable, "-c", "from topkv.cli.main import app; app()"]
 BASE = ["worker", "--role", "decode", "--insecure-no-auth", "--orchestrator",

@@ -20,16 +20,16 @@ import aiohttp
 import pytest
 
 from topkv.relay.executor import AttemptFailed, AttemptPlan
-from topkv.relay.registry import MemoryRegistry
-from topkv.service import worker_tiers
-from topkv.service.auth import Credentials, ServerAuth, new_token
-from topkv.service.engines import EngineSpec
+from topkv.relay.registry.memory import MemoryRegistry
+from topkv.service.compute.engines import EngineSpec
+from topkv.service.http.auth import Credentials, ServerAuth, new_token
 from topkv.service.messages import PrefillRequest
-from topkv.service.registrar import DirectRegistrar
-from topkv.service.remote_executor import RemoteExecutor
-from topkv.service.tier_config import TierConfig
-from topkv.service.tiered_kv import open_tiered_kv
-from topkv.service.worker import WorkerConfig, WorkerService
+from topkv.service.orchestrator.executor import RemoteExecutor
+from topkv.service.tiers.config import TierConfig
+from topkv.service.tiers.tiered import open_tiered_kv
+from topkv.service.worker.registrar import DirectRegistrar
+from topkv.service.worker.service import WorkerConfig, WorkerService
+from topkv.service.worker.service import tiers as worker_tiers
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")

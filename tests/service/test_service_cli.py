@@ -12,8 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from topkv.jsonout import loads_strict
-from topkv.service.client import OrchestratorClient
-from topkv.service.cluster import LocalCluster, SmokeLayout, run_smoke
+from topkv.service.cluster.local import LocalCluster, SmokeLayout, run_smoke
+from topkv.service.orchestrator.client import OrchestratorClient
 
 ClusterFactory = Callable[..., LocalCluster]
 TOPKV = [sys.executable, "-c", "from topkv.cli.main import app; app()"]

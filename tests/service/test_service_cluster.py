@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from topkv.service.api_models import TopologyView, TransferList, TransferView, WorkerList
-from topkv.service.client import ApiError, OrchestratorClient, http_json
-from topkv.service.cluster import LocalCluster, SmokeLayout, run_smoke
+from topkv.service.cluster.local import LocalCluster, SmokeLayout, run_smoke
 from topkv.service.kvstore import synthetic_kv
+from topkv.service.orchestrator.client import ApiError, OrchestratorClient, http_json
+from topkv.service.orchestrator.models import TopologyView, TransferList, TransferView, WorkerList
 from topkv.transport.base import KVLayout
 
 ClusterFactory = Callable[..., LocalCluster]

@@ -1,6 +1,6 @@
 """A worker that hosts a model: prefill streams per-layer KV, the decode worker generates.
 
-The same :class:`~topkv.service.worker.WorkerService` runs in this process (a prefill and a
+The same :class:`~topkv.service.worker.service.WorkerService` runs in this process (a prefill and a
 decode worker beside an in-process orchestrator) and as ``topkv worker`` processes
 (``topkv cluster up --engine hf``); in both, the tokens the decode worker generates from the
 KV it received equal the single-process reference generation of the same model.
@@ -20,11 +20,11 @@ import pytest
 
 from topkv.jsonout import loads_strict
 from topkv.relay.workers import WorkerCapabilities
-from topkv.service.auth import Credentials, ServerAuth, auth_headers
-from topkv.service.cluster_tokens import ClusterTokens
-from topkv.service.engines import EngineSpec, PrefillPlan, Publish
-from topkv.service.http_api import OrchestratorServiceConfig, serve_orchestrator
-from topkv.service.worker import WorkerConfig, WorkerFaults, WorkerService
+from topkv.service.cluster.tokens import ClusterTokens
+from topkv.service.compute.engines import EngineSpec, PrefillPlan, Publish
+from topkv.service.http.auth import Credentials, ServerAuth, auth_headers
+from topkv.service.orchestrator.api import OrchestratorServiceConfig, serve_orchestrator
+from topkv.service.worker.service import WorkerConfig, WorkerFaults, WorkerService
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")

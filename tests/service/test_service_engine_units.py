@@ -8,10 +8,10 @@ import pytest
 from pydantic import ValidationError
 
 from topkv.errors import ConfigError
-from topkv.service.api_models import SubmitRequest
-from topkv.service.engines import EngineRequestError, EngineSpec, SyntheticEngine
+from topkv.service.compute.engines import EngineRequestError, EngineSpec, SyntheticEngine
 from topkv.service.kvstore import HeldKV, PrefillFailed, synthetic_kv
 from topkv.service.messages import LayoutModel, PrefillRequest
+from topkv.service.orchestrator.models import SubmitRequest
 from topkv.transport.base import KVLayout
 
 LAYOUT = KVLayout(3, 8, 2, 4)

@@ -22,15 +22,16 @@ from topkv.jsonout import loads_strict
 from topkv.relay.executor import AttemptFailed, AttemptPlan
 from topkv.relay.transfers import FailureKind
 from topkv.relay.workers import WorkerCapabilities, WorkerInfo
-from topkv.service.remote_executor import RemoteExecutor
-from topkv.service.worker_media import (
+from topkv.service.orchestrator.executor import RemoteExecutor
+from topkv.service.worker.media import (
     check_medium,
     parse_media,
     resolve_media,
     served_media,
     why_unavailable,
 )
-from topkv.transport import catalog, engines
+from topkv.transport import catalog
+from topkv.transport.arena import factory as engines
 from topkv.transport.base import KVLayout
 
 TOPKV = [sys.executable, "-c", "from topkv.cli.main import app; app()"]
@@ -136,9 +137,9 @@ def test_media_parsing_and_the_default_offer() -> None:
 
 def test_a_synthetic_worker_offering_every_medium_never_imports_torch() -> None:
     code = (
-        "import sys; from topkv.service.worker import WorkerService; "
-        "from topkv.service.engines import EngineSpec, build_engine; "
-        "from topkv.service.worker_media import resolve_media, register_engine_media; "
+        "import sys; from topkv.service.worker.service import WorkerService; "
+        "from topkv.service.compute.engines import EngineSpec, build_engine; "
+        "from topkv.service.worker.media import resolve_media, register_engine_media; "
         "build_engine(EngineSpec()); offer = resolve_media(None); "
         "register_engine_media(offer.media, '127.0.0.1'); "
         "print('torch' in sys.modules, offer.media)"

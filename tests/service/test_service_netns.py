@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from service_helpers import free_port_in, run_ip, start_etcd, stop_etcd
 
-from topkv.service.cluster import ClusterConfig, LocalCluster, WorkerPlacement
+from topkv.service.cluster.local import ClusterConfig, LocalCluster, WorkerPlacement
 
 pytestmark = pytest.mark.netns
 

@@ -12,11 +12,11 @@ from topkv.kv.errors import UnknownModelError
 from topkv.relay.executor import AttemptFailed, AttemptPlan
 from topkv.relay.transfers import FailureKind
 from topkv.relay.workers import WorkerInfo
-from topkv.service.api_models import SubmitRequest
-from topkv.service.http_api import OrchestratorService, OrchestratorServiceConfig
 from topkv.service.messages import MAX_KV_BYTES, LayoutModel
-from topkv.service.openapi import openapi_document
-from topkv.service.remote_executor import RemoteExecutor, _worker_error
+from topkv.service.orchestrator.api import OrchestratorService, OrchestratorServiceConfig
+from topkv.service.orchestrator.executor import RemoteExecutor, _worker_error
+from topkv.service.orchestrator.models import SubmitRequest
+from topkv.service.orchestrator.openapi import openapi_document
 from topkv.transport.base import KVLayout
 
 

@@ -3,7 +3,7 @@
 A throwaway CA (``ca``) signs the servers' certificate (for 127.0.0.1 and localhost); a
 second CA (``otherca``) and a certificate for another host name play the wrong ones. The
 certificates come from the ``openssl`` command (``tests/tls_certs.py``). Workers are
-:class:`~topkv.service.worker.WorkerService` in the test's event loop; the last test runs
+:class:`~topkv.service.worker.service.WorkerService` in the test's event loop; the last test runs
 ``topkv cluster up --tls``'s processes and ``topkv status --tls-ca``.
 """
 
@@ -25,17 +25,17 @@ from tls_certs import make_ca, make_leaf, need_openssl
 from topkv.errors import ConfigError
 from topkv.jsonout import loads_strict
 from topkv.relay.executor import AttemptFailed, AttemptPlan
-from topkv.relay.registry import MemoryRegistry
-from topkv.service.auth import Credentials, ServerAuth
-from topkv.service.client import OrchestratorClient, http_json
-from topkv.service.cluster import LocalCluster, SmokeLayout, run_smoke
-from topkv.service.cluster_tokens import ClusterTokens
-from topkv.service.http_api import OrchestratorServiceConfig, serve_orchestrator
+from topkv.relay.registry.memory import MemoryRegistry
+from topkv.service.cluster.local import LocalCluster, SmokeLayout, run_smoke
+from topkv.service.cluster.tokens import ClusterTokens
+from topkv.service.http.auth import Credentials, ServerAuth
+from topkv.service.http.tls import ClientTLS, ServerTLS, TLSConfig, TLSFailure
 from topkv.service.messages import LayoutModel, PrefillRequest
-from topkv.service.registrar import DirectRegistrar, HttpRegistrar
-from topkv.service.remote_executor import RemoteExecutor
-from topkv.service.tls import ClientTLS, ServerTLS, TLSConfig, TLSFailure
-from topkv.service.worker import WorkerConfig, WorkerService
+from topkv.service.orchestrator.api import OrchestratorServiceConfig, serve_orchestrator
+from topkv.service.orchestrator.client import OrchestratorClient, http_json
+from topkv.service.orchestrator.executor import RemoteExecutor
+from topkv.service.worker.registrar import DirectRegistrar, HttpRegistrar
+from topkv.service.worker.service import WorkerConfig, WorkerService
 from topkv.transport.base import KVLayout
 
 SECRET = b"tls-test-secret-0123456789abcdef"
@@ -131,7 +131,7 @@ def test_tls_files_are_checked_and_named_never_shown(
     loose = tmp_path / "loose.key"
     loose.write_bytes(key.read_bytes())
     os.chmod(loose, 0o644)
-    with caplog.at_level(logging.WARNING, logger="topkv.service.tls"):
+    with caplog.at_level(logging.WARNING, logger="topkv.service.http.tls"):
         ServerTLS(cert, loose).context()
     assert any("loose.key is readable by other users" in r.getMessage() for r in caplog.records)
 

@@ -1,6 +1,7 @@
 """Malformed input to a worker's control API: 200 random requests (routes, ids, bodies
 nearly valid or not, headers) against one in-process
-:class:`~topkv.service.worker.WorkerService` with the synthetic engine never get a 5xx, except
+:class:`~topkv.service.worker.service.WorkerService` with the synthetic engine never get a 5xx,
+except
 the transport outcomes the executor reads (502 and 504) of a well-formed send or wait, and
 every refusal is a JSON error.
 
@@ -29,8 +30,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel, ValidationError
 
-from topkv.relay.registry import MemoryRegistry
-from topkv.service.auth import Credentials, ServerAuth, new_token
+from topkv.relay.registry.memory import MemoryRegistry
+from topkv.service.http.auth import Credentials, ServerAuth, new_token
 from topkv.service.messages import (
     DecodeRequest,
     GenerateRequest,
@@ -39,8 +40,8 @@ from topkv.service.messages import (
     SendRequest,
     WaitRequest,
 )
-from topkv.service.registrar import DirectRegistrar
-from topkv.service.worker import WorkerConfig, WorkerFaults, WorkerService
+from topkv.service.worker.registrar import DirectRegistrar
+from topkv.service.worker.service import WorkerConfig, WorkerFaults, WorkerService
 
 ADMIN = new_token()
 

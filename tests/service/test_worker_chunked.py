@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 from topkv.harness.inprocess_cluster import InProcessCluster, WorkerSpec
-from topkv.relay.registry import MemoryRegistry
-from topkv.service.engines import EngineSpec, HfEngine
+from topkv.relay.registry.memory import MemoryRegistry
+from topkv.service.compute.engines import EngineSpec, HfEngine
 from topkv.service.kvstore import HeldKV
 from topkv.service.messages import PrefillRequest
-from topkv.service.remote_executor import RemoteExecutor
+from topkv.service.orchestrator.executor import RemoteExecutor
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")

@@ -1,7 +1,7 @@
 """The one executor moving KV between real in-process workers: paced attempts, stamps,
 failure kinds, cleanup, and the measurement copies (serial and replay schedules, drained).
 
-Both workers are :class:`~topkv.service.worker.WorkerService` (the class ``topkv worker``
+Both workers are :class:`~topkv.service.worker.service.WorkerService` (the class ``topkv worker``
 runs) in this event loop, registered straight into a memory registry; bytes really cross
 shared memory or TCP on loopback and every layer's CRC-64 is checked on arrival.
 """
@@ -18,15 +18,15 @@ import aiohttp
 import pytest
 
 from topkv.relay.executor import AttemptFailed, AttemptPlan
-from topkv.relay.registry import MemoryRegistry
+from topkv.relay.registry.memory import MemoryRegistry
 from topkv.relay.transfers import FailureKind
 from topkv.relay.workers import WorkerInfo
-from topkv.service.auth import Credentials, ServerAuth, auth_headers, new_token
-from topkv.service.engines import PrefillPlan, Publish
+from topkv.service.compute.engines import PrefillPlan, Publish
+from topkv.service.http.auth import Credentials, ServerAuth, auth_headers, new_token
 from topkv.service.messages import LayoutModel, PacedLink, PrefillRequest
-from topkv.service.registrar import DirectRegistrar
-from topkv.service.remote_executor import RemoteExecutor
-from topkv.service.worker import WorkerConfig, WorkerFaults, WorkerService
+from topkv.service.orchestrator.executor import RemoteExecutor
+from topkv.service.worker.registrar import DirectRegistrar
+from topkv.service.worker.service import WorkerConfig, WorkerFaults, WorkerService
 from topkv.transport.base import KVLayout
 
 SECRET = b"moves-test-secret-0123456789abcdef"

@@ -12,13 +12,13 @@ import pytest
 
 from topkv.harness.inprocess_cluster import InProcessCluster, WorkerSpec
 from topkv.relay.executor import AttemptFailed, AttemptPlan
-from topkv.relay.registry import MemoryRegistry, WorkerRegistry, open_registry
+from topkv.relay.registry.memory import MemoryRegistry, WorkerRegistry, open_registry
 from topkv.relay.workers import RegistryEvent
-from topkv.service.auth import auth_headers
+from topkv.service.http.auth import auth_headers
 from topkv.service.messages import LayoutModel, PrefillRequest
-from topkv.service.registrar import DirectRegistrar
-from topkv.service.remote_executor import RemoteExecutor
-from topkv.service.worker import WorkerConfig, WorkerService
+from topkv.service.orchestrator.executor import RemoteExecutor
+from topkv.service.worker.registrar import DirectRegistrar
+from topkv.service.worker.service import WorkerConfig, WorkerService
 from topkv.transport.base import KVLayout
 
 LAYOUT = KVLayout(num_layers=2, seq_len=16, kv_heads=1, head_dim=16)

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from topkv.cli.sim import register
 from topkv.kv.catalog import get_model
-from topkv.policy.adp import ADPConfig
+from topkv.policy.adp.pool import ADPConfig
 from topkv.sim.cluster import load_cluster_spec
 from topkv.sim.report import SimReport, pool_series, rush_spans
 from topkv.sim.result import PolicyResult

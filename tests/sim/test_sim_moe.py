@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from topkv.cli.sim import register
 from topkv.kv.catalog import get_model
 from topkv.packaged import SAMPLE_TRACE
-from topkv.policy.moe import STRATEGIES
+from topkv.policy.moe.router import STRATEGIES
 from topkv.sim.cluster import load_cluster_spec
 from topkv.sim.errors import SimError
 from topkv.sim.moe import MoESimOptions, run_moe_routers

@@ -11,7 +11,7 @@ from topkv.kv.catalog import get_model
 from topkv.planner.pipeline import simulate_pipeline
 from topkv.sim.cluster import ClusterSpec, NodeGroup
 from topkv.sim.compute import ComputeModel, get_gpu
-from topkv.sim.engine import HeapLoop
+from topkv.sim.events import HeapLoop
 from topkv.sim.links import LinkNetwork
 from topkv.sim.runner import SimConfig, run_policy
 from topkv.traces import Request, Workload

@@ -12,9 +12,9 @@ import threading
 import pytest
 
 from topkv.harness.peers import expected_digest, kv_digest, spawn_sender, spawn_sink
+from topkv.transport.arena.factory import missing_package
+from topkv.transport.arena.protocol import ARENA_ALIGN, Arena, parse_engine_address
 from topkv.transport.base import KVLayout, TransferDescriptor
-from topkv.transport.engine import ARENA_ALIGN, Arena, parse_engine_address
-from topkv.transport.engines import missing_package
 from topkv.transport.errors import FrameRejected, ResourceExhausted, TransportError
 
 SECRET = b"cuda-test-secret"
@@ -73,7 +73,7 @@ def test_ipc_handle_decoder_refuses_anything_but_a_cuda_tensor_rebuild() -> None
     pytest.importorskip("torch")
     import os
 
-    from topkv.transport.cuda import decode_ipc_handle
+    from topkv.transport.arena.cuda import decode_ipc_handle
 
     evil = pickle.dumps((os.system, ("echo pwned",)))
     with pytest.raises(FrameRejected, match="not allowed"):
@@ -86,7 +86,7 @@ def test_ipc_handle_decoder_admits_what_reduce_tensor_pickles() -> None:
     torch = pytest.importorskip("torch")
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-    from topkv.transport.cuda import decode_ipc_handle
+    from topkv.transport.arena.cuda import decode_ipc_handle
 
     # The argument shapes of reduce_tensor's CUDA branch (handles are opaque bytes).
     args = (torch.Tensor, torch.Size([8]), (1,), 0, torch.storage.TypedStorage, torch.uint8)
@@ -98,7 +98,7 @@ def test_ipc_handle_decoder_admits_what_reduce_tensor_pickles() -> None:
 
 def test_flat_bytes_views_host_tensors_without_copying() -> None:
     torch = pytest.importorskip("torch")
-    from topkv.transport.cuda import flat_bytes
+    from topkv.transport.arena.cuda import flat_bytes
 
     tensor = torch.arange(6, dtype=torch.float16).reshape(2, 3)
     flat = flat_bytes(tensor)
@@ -111,7 +111,7 @@ def test_flat_bytes_views_host_tensors_without_copying() -> None:
 def test_cuda_transport_is_unavailable_without_a_gpu() -> None:
     if _no_gpu is None:
         pytest.skip("a GPU is present")
-    from topkv.transport.engines import make_sink
+    from topkv.transport.arena.factory import make_sink
     from topkv.transport.errors import TransportUnavailable
 
     with pytest.raises(TransportUnavailable, match="cuda"):
@@ -181,7 +181,7 @@ def test_sender_killed_mid_transfer_fails_the_receiver_fast() -> None:
 def test_in_process_peer_copy_between_devices() -> None:
     import torch
 
-    from topkv.transport.cuda import CudaSink, CudaSource
+    from topkv.transport.arena.cuda import CudaSink, CudaSource
 
     devices = (0, 1) if _gpu_count() > 1 else (0, 0)
     layout = LAYOUTS[0]

@@ -6,7 +6,8 @@ from typing import Any
 
 import pytest
 
-from topkv.transport import catalog, engines
+from topkv.transport import catalog
+from topkv.transport.arena import factory as engines
 from topkv.transport.base import TransportMode
 from topkv.transport.errors import TransportUnavailable
 

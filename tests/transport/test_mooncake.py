@@ -11,7 +11,7 @@ import pytest
 from engine_harness import PeerEngineCases
 
 from topkv.harness.netns import netns_available
-from topkv.transport.engines import missing_package
+from topkv.transport.arena.factory import missing_package
 
 _why_not = missing_package("mooncake") or netns_available()
 pytestmark = pytest.mark.skipif(_why_not is not None, reason=str(_why_not))

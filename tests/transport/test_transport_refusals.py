@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 from topkv.transport import framing
 from topkv.transport.base import KVLayout, TransferDescriptor, TransferSink
 from topkv.transport.errors import AuthenticationFailed, FrameRejected
-from topkv.transport.handshake import HELLO, NONCE_SIZE, client_handshake
-from topkv.transport.receiving import HostAllocator, read_message
 from topkv.transport.shm import ShmSink, ShmSource, parse_shm_address
+from topkv.transport.stream.handshake import HELLO, NONCE_SIZE, client_handshake
+from topkv.transport.stream.receiving import HostAllocator, read_message
 from topkv.transport.tcp import TcpSink, TcpSource, parse_tcp_address
 
 SECRET = b"right-secret"

@@ -58,7 +58,7 @@ def register(app: typer.Typer) -> None:
             crc_overhead_report,
             run_transfer_benchmark,
         )
-        from topkv.transport.engines import ENGINE_TRANSPORTS
+        from topkv.transport.arena.factory import ENGINE_TRANSPORTS
 
         if transport in ENGINE_TRANSPORTS:
             report = run_engine_benchmark(transport, parse_size(size), repeat)

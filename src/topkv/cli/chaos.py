@@ -9,8 +9,8 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from topkv.cli.auth_options import client_token, token_file_option
 from topkv.cli.console import stdout_console
+from topkv.cli.options.auth import client_token, token_file_option
 from topkv.cli.select import parse_byte_size
 from topkv.errors import ConfigError
 from topkv.harness.chaos import ChaosConfig, run_chaos

@@ -20,7 +20,7 @@ from topkv.harness.stand_in import DEFAULT_STAND_IN
 from topkv.jsonout import dumps
 
 if TYPE_CHECKING:
-    from topkv.demo.adaptive import PairedRun
+    from topkv.demo.adp import PairedRun
     from topkv.demo.results import RequestResult
     from topkv.demo.runner import DemoOptions, DemoRun
     from topkv.harness.stand_in import Deployment
@@ -113,7 +113,7 @@ def demo_command(
     if engine == "vllm":
         _run_vllm(requests, as_json, seed, new_tokens, speedup, trace, trace_start)
         return
-    from topkv.demo.adaptive import adp_json, adp_text, pairs_json, pairs_text
+    from topkv.demo.adp import adp_json, adp_text, pairs_json, pairs_text
     from topkv.demo.compute import ComputeEmulation, compute_json
     from topkv.demo.report import (
         options_json,
@@ -222,7 +222,7 @@ def _run_vllm(
     trace_start: int,
 ) -> None:
     """``--engine vllm`` (docs/vllm.md): exit 1 when any request's tokens differ."""
-    from topkv.integrations.vllm.demo_run import VllmDemoOptions, run_vllm_demo
+    from topkv.integrations.vllm.stack.demo_run import VllmDemoOptions, run_vllm_demo
 
     options = VllmDemoOptions(requests, seed, new_tokens, speedup, trace, trace_start)
     payload = run_vllm_demo(options)
@@ -258,7 +258,7 @@ def _run_pairs(
 ) -> _Compared:
     """``--adp both``: ``repeats`` pairs in alternating order (docs/adp.md, "Live burst"),
     after an optional untimed run; every run keeps the dilation of the first."""
-    from topkv.demo.adaptive import PairedRun, pair_orders
+    from topkv.demo.adp import PairedRun, pair_orders
     from topkv.demo.compute import compute_json
     from topkv.demo.runner import DemoRun
 

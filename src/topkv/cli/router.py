@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from topkv.cli.auth_options import (
+from topkv.cli.options.auth import (
     client_token,
     insecure_option,
     orchestrator_auth,
@@ -20,10 +20,10 @@ from topkv.cli.auth_options import (
 )
 from topkv.cli.services import _adp_config, _logging, _until_signalled
 from topkv.errors import ConfigError
-from topkv.service.auth import read_token_lines
+from topkv.service.http.auth import read_token_lines
 
 if TYPE_CHECKING:
-    from topkv.integrations.vllm.pools import AdpOptions
+    from topkv.integrations.vllm.frontdoor.adp import AdpOptions
 
 
 def router_command(
@@ -70,7 +70,7 @@ def router_command(
 ) -> None:
     """Serve /v1/completions, /v1/chat/completions, /v1/models and /metrics over the
     registered vLLM prefill and decode instances; Ctrl-C stops it."""
-    from topkv.integrations.vllm.router import RouterServer
+    from topkv.integrations.vllm.frontdoor.router import RouterServer
 
     _logging(log_level)
     auth = orchestrator_auth(
@@ -106,7 +106,7 @@ def _adp_options(
     """``--adp``: None (off) or the front door's ADP over the ``kv_both`` instances."""
     from dataclasses import replace
 
-    from topkv.integrations.vllm.pools import AdpOptions
+    from topkv.integrations.vllm.frontdoor.adp import AdpOptions
 
     config = _adp_config(value)
     if config is None:
@@ -149,15 +149,15 @@ def vllm_up_command(
 ) -> None:
     """Start a topkv orchestrator (the registry), the front door and N prefill + M decode
     (+ K kv_both) vLLM instances with TopKVConnector; print the URL; Ctrl-C stops them all."""
-    from topkv.integrations.vllm.router import RouterServer
-    from topkv.integrations.vllm.stack import (
+    from topkv.integrations.vllm.frontdoor.router import RouterServer
+    from topkv.integrations.vllm.stack.instances import (
         StackFiles,
         start_orchestrator,
         start_pd_instances,
         wait_up,
     )
-    from topkv.service.auth import Credentials, ServerAuth
-    from topkv.service.cluster import Supervisor
+    from topkv.service.cluster.local import Supervisor
+    from topkv.service.http.auth import Credentials, ServerAuth
 
     if not (model / "config.json").is_file():
         raise ConfigError(f"{model}: no config.json (`topkv vllm model {model}` writes one)")
@@ -206,7 +206,7 @@ def vllm_model_command(
     layers: int = typer.Option(4, min=1, help="decoder layers"),
 ) -> None:
     """Write TopKV's tiny Llama (seeded random weights, byte-level tokenizer) for vLLM."""
-    from topkv.integrations.vllm.model import write_tiny_llama
+    from topkv.integrations.vllm.stack.model import write_tiny_llama
 
     typer.echo(write_tiny_llama(directory, seed=seed, layers=layers))
 

@@ -17,21 +17,21 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from topkv.cli.auth_options import (
+from topkv.cli.console import stdout_console
+from topkv.cli.options.auth import (
     client_token,
     insecure_option,
     orchestrator_auth,
     token_file_option,
     worker_auth,
 )
-from topkv.cli.console import stdout_console
-from topkv.cli.leader_options import (
+from topkv.cli.options.leader import (
     advertise_url_option,
     leader_elect_config,
     leader_elect_option,
     lease_seconds_option,
 )
-from topkv.cli.security_options import (
+from topkv.cli.options.security import (
     ETCD_FLAGS,
     apply_etcd_env,
     check_etcd_env,
@@ -43,7 +43,7 @@ from topkv.cli.security_options import (
     tls_key_option,
     with_etcd_flags,
 )
-from topkv.cli.tier_options import (
+from topkv.cli.options.tiers import (
     device_kv_capacity_option,
     device_tier_option,
     kv_cxl_bytes_option,
@@ -57,15 +57,15 @@ from topkv.cli.tier_options import (
 )
 from topkv.errors import ConfigError
 from topkv.jsonout import dumps
-from topkv.policy.adp import ADPConfig
+from topkv.policy.adp.pool import ADPConfig
 from topkv.relay.orchestrator_config import OrchestratorConfig, RetryPolicy
 from topkv.relay.workers import WorkerCapabilities
-from topkv.service.auth import CONTROL_TOKEN_FILE_ENV, TOKEN_FILE_ENV
-from topkv.service.client import OrchestratorClient
 from topkv.service.errors import ServiceError
+from topkv.service.http.auth import CONTROL_TOKEN_FILE_ENV, TOKEN_FILE_ENV
+from topkv.service.orchestrator.client import OrchestratorClient
 
 if TYPE_CHECKING:
-    from topkv.service.engines import EngineSpec
+    from topkv.service.compute.engines import EngineSpec
 
 DEFAULT_PORT = 8470
 ORCHESTRATOR_ENV = "TOPKV_ORCHESTRATOR"
@@ -82,7 +82,7 @@ MEDIA_HELP = (
 def _engine_spec(
     engine: str, model_path: Path | None, demo_model: int | None, torch_threads: int
 ) -> EngineSpec:
-    from topkv.service.engines import EngineSpec
+    from topkv.service.compute.engines import EngineSpec
 
     if engine not in ("synthetic", "hf"):
         raise ConfigError(f"--engine must be synthetic or hf, not {engine!r}")
@@ -157,8 +157,8 @@ def orchestrator_command(
     ),
 ) -> None:
     """Run the orchestrator: HTTP API, registry, relay, /metrics."""
-    from topkv.service.http_api import OrchestratorServiceConfig, serve_orchestrator
-    from topkv.service.httputil import write_ready_file
+    from topkv.service.http.util import write_ready_file
+    from topkv.service.orchestrator.api import OrchestratorServiceConfig, serve_orchestrator
 
     _logging(log_level)
     apply_etcd_env(registry, etcd)
@@ -275,8 +275,8 @@ def worker_command(
 ) -> None:
     """Run a worker: an engine, transfer endpoints (every medium offered), KV buffers,
     control API, heartbeat."""
-    from topkv.service.worker import SECRET_ENV, WorkerConfig, WorkerFaults, serve_worker
-    from topkv.service.worker_media import parse_media, resolve_media
+    from topkv.service.worker.media import parse_media, resolve_media
+    from topkv.service.worker.service import SECRET_ENV, WorkerConfig, WorkerFaults, serve_worker
 
     _logging(log_level)
     if role not in ("prefill", "decode"):
@@ -379,7 +379,7 @@ def cluster_up_command(
 
     The run directory gets the cluster's tokens (mode 0600): ``token`` (admin scope) and
     ``worker-token`` (worker scope), written before the orchestrator starts."""
-    from topkv.service.cluster import (
+    from topkv.service.cluster.local import (
         ClusterConfig,
         LocalCluster,
         SmokeLayout,
@@ -387,7 +387,7 @@ def cluster_up_command(
         run_smoke,
         smoke_results,
     )
-    from topkv.service.worker_media import parse_media, resolve_media
+    from topkv.service.worker.media import parse_media, resolve_media
 
     offered = parse_media(media)
     if offered is not None:
@@ -527,7 +527,7 @@ def status_command(
     ),
 ) -> None:
     """Show the orchestrator's workers and transfers."""
-    from topkv.service.status import render_status
+    from topkv.cli.status import render_status
 
     url = orchestrator or os.environ.get(ORCHESTRATOR_ENV, f"http://127.0.0.1:{DEFAULT_PORT}")
     client = OrchestratorClient(url, token=client_token(token_file), tls=client_tls(tls_ca))

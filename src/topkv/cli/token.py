@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 
 from topkv.errors import ConfigError
-from topkv.service.auth import digest_line, new_token, read_token, write_token_file
+from topkv.service.http.auth import digest_line, new_token, read_token, write_token_file
 
 
 def new_command(

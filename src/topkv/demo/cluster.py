@@ -3,8 +3,9 @@
 Each :class:`~topkv.demo.topology.Placement` becomes one real worker process (the same
 ``topkv worker`` a deployment runs) serving the demo model, offering tcp and shm, and
 advertising its emulated GPU (node, NVLink domain, RDMA) in the registration it sends to
-the demo's embedded registry (:class:`~topkv.service.registrations.RegistrationServer`).
-The processes run under one :class:`~topkv.service.cluster.Supervisor`: they die with the
+the demo's embedded registry
+(:class:`~topkv.service.orchestrator.registrations.RegistrationServer`).
+The processes run under one :class:`~topkv.service.cluster.local.Supervisor`: they die with the
 demo (parent-death signal) and :meth:`DemoWorkers.stop` stops every one, also on errors and
 Ctrl-C.
 """
@@ -20,13 +21,13 @@ from typing import Any
 
 from topkv.demo.errors import DemoError, WorkerFailed
 from topkv.demo.topology import Placement, worker_info
-from topkv.relay.registry import MemoryRegistry
+from topkv.relay.registry.memory import MemoryRegistry
 from topkv.relay.workers import WorkerInfo
-from topkv.service.cluster import ClusterConfig, LocalCluster, ManagedProcess, WorkerPlacement
-from topkv.service.engines import EngineSpec
+from topkv.service.cluster.local import ClusterConfig, LocalCluster, ManagedProcess, WorkerPlacement
+from topkv.service.compute.engines import EngineSpec
 from topkv.service.errors import ClusterError
-from topkv.service.registrations import RegistrationServer
-from topkv.service.tier_config import TierConfig
+from topkv.service.orchestrator.registrations import RegistrationServer
+from topkv.service.tiers.config import TierConfig
 from topkv.topology.model import Cluster
 
 #: A worker's lease in the demo's registry: long, since the demo watches its processes.

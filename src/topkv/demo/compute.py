@@ -6,7 +6,7 @@ computes, so the host cannot add prefill capacity when the ADP converts a decode
 (its extra prefill only time-slices the same cores).
 
 ``paced`` emulates one device per worker: every worker runs with a compute pace ``C``
-(``topkv worker --compute-pace C``, :mod:`topkv.service.engine_pace`), each engine turn held
+(``topkv worker --compute-pace C``, :mod:`topkv.service.compute.pace`), each engine turn held
 until C times its own CPU time passed. ``C`` is derived, never picked: the compute threads
 of all the model workers the demo starts (workers x torch threads each) over the cores this
 process may run on (``len(os.sched_getaffinity(0))``), at least 1: the factor by which the
@@ -30,7 +30,7 @@ from typing import Any, Literal
 from topkv.demo.errors import DemoError
 from topkv.demo.executor import DemoExecutor
 from topkv.relay.workers import WorkerInfo
-from topkv.service.engine_pace import PaceStats
+from topkv.service.compute.pace import PaceStats
 
 #: Torch intra-op threads of every demo worker (paced compute needs exactly one).
 DEMO_TORCH_THREADS = 1

@@ -1,4 +1,4 @@
-"""The demo's executor: the one :class:`~topkv.service.remote_executor.RemoteExecutor`,
+"""The demo's executor: the one :class:`~topkv.service.orchestrator.executor.RemoteExecutor`,
 with the demo's hold on each prefill KV (the relay and the baselines both use it)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any
 from topkv.relay.executor import AttemptPlan, Delivery
 from topkv.relay.transfers import FailureKind
 from topkv.relay.workers import WorkerInfo
-from topkv.service.remote_executor import Pacing, RemoteExecutor
+from topkv.service.orchestrator.executor import Pacing, RemoteExecutor
 from topkv.transport.media import DEFAULT_MEDIA, real_medium
 
 #: Who keeps a prefill worker's KV alive: the relay (until it released the source after a

@@ -1,7 +1,7 @@
 """Drives one demo run: replay the workload through the one runtime and measure every request.
 
 The workers are ``topkv worker --engine hf`` processes (:mod:`topkv.demo.cluster`), driven
-through :class:`~topkv.service.remote_executor.RemoteExecutor` by the relay
+through :class:`~topkv.service.orchestrator.executor.RemoteExecutor` by the relay
 :class:`~topkv.relay.orchestrator.Orchestrator` (the demo's topology as pair views,
 ``CostPolicy``): the same worker, executor and orchestrator a deployment runs. Per request,
 when a prefill worker is free (and some decode worker has a free slot): the prefill worker
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
-from topkv.demo.adaptive import DemoPool
+from topkv.demo.adp import DemoPool
 from topkv.demo.cluster import DemoWorkers
 from topkv.demo.compute import DEMO_TORCH_THREADS, ComputeEmulation, PacedTurns
 from topkv.demo.emulation import Dilation, StandIn, resolve_dilation
@@ -75,8 +75,8 @@ from topkv.relay.orchestrator_config import OrchestratorConfig
 from topkv.relay.tasks import cancel_and_wait
 from topkv.relay.transfers import Outcome, TransferState
 from topkv.relay.workers import WorkerInfo
-from topkv.service.engine_pace import PaceStats
-from topkv.service.engines import EngineSpec
+from topkv.service.compute.engines import EngineSpec
+from topkv.service.compute.pace import PaceStats
 from topkv.service.messages import GenerateRequest, PacedLink, PrefillRequest
 from topkv.transport.base import KVLayout
 
@@ -107,7 +107,7 @@ class DemoOptions:
     model: DemoModelConfig = field(default_factory=DemoModelConfig)
     #: False: the relay's sends wait for the whole KV (no layer-by-layer streaming)
     pipelining: bool = True
-    #: Run the Adaptive Decoder Pool on the demo's orchestrator (topkv.demo.adaptive)
+    #: Run the Adaptive Decoder Pool on the demo's orchestrator (topkv.demo.adp)
     adp: bool = False
     #: The first trace request replayed (0-based)
     trace_start: int = 0

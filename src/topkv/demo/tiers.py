@@ -21,7 +21,7 @@ from typing import Any
 
 from topkv.demo.measure import Percentiles
 from topkv.demo.results import RequestResult
-from topkv.service.tier_config import TierConfig
+from topkv.service.tiers.config import TierConfig
 
 #: Lower tiers of each decode worker: about two of the demo's largest caches each.
 HOST_BYTES = 10 << 20

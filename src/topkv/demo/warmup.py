@@ -18,7 +18,7 @@ from topkv.demo.errors import DemoError
 from topkv.demo.records import PrefillDone
 from topkv.relay.workers import WorkerInfo
 from topkv.service.messages import PrefillRequest
-from topkv.service.remote_executor import RemoteExecutor
+from topkv.service.orchestrator.executor import RemoteExecutor
 
 #: Request ids of the warm-up passes start here (above the requests and baseline copies).
 WARMUP_IDS_FROM = 1 << 41

@@ -1,20 +1,21 @@
 """Fault injection against a real relay, and the accounting that proves nothing was lost.
 
 :func:`run_chaos` builds a local cluster, runs N transfers through the orchestrator, and
-injects faults. The workers are always :class:`~topkv.service.worker.WorkerService`s,
-driven by one :class:`~topkv.service.remote_executor.RemoteExecutor` over their control
+injects faults. The workers are always :class:`~topkv.service.worker.service.WorkerService`s,
+driven by one :class:`~topkv.service.orchestrator.executor.RemoteExecutor` over their control
 APIs, with the orchestrator in this process; only where the workers run differs
 (``ChaosConfig.mode``):
 
 * ``processes`` (the default): real ``topkv worker`` processes
-  (:class:`~topkv.service.cluster.LocalCluster`) that register over this process's
-  registration endpoints (:class:`~topkv.service.registrations.RegistrationServer`);
+  (:class:`~topkv.service.cluster.local.LocalCluster`) that register over this process's
+  registration endpoints (:class:`~topkv.service.orchestrator.registrations.RegistrationServer`);
 * ``inprocess``: the same workers started in this event loop and registered straight into
   the orchestrator's registry (:mod:`topkv.harness.chaos_inprocess`), still moving their
   KV over real shared memory and TCP on loopback.
 
 Faults (the same in both modes, injected inside the workers by
-:class:`~topkv.service.worker.WorkerFaults`; see :func:`~topkv.harness.chaos_config.placements`):
+:class:`~topkv.service.worker.service.WorkerFaults`; see
+:func:`~topkv.harness.chaos_config.placements`):
 
 * **bit flips in frames**: a :class:`CorruptingSource` flips one bit of one tensor of a
   transfer with probability ``corrupt_rate`` *after* the per-tensor CRC-64 was taken, so
@@ -51,20 +52,20 @@ from topkv.harness.chaos_config import REPORT_KEYS, ChaosConfig, ChaosReport, pl
 from topkv.harness.chaos_inprocess import InProcessWorkers
 from topkv.relay.executor import AttemptFailed, AttemptPlan, Delivery
 from topkv.relay.orchestrator import Orchestrator
-from topkv.relay.registry import MemoryRegistry
+from topkv.relay.registry.memory import MemoryRegistry
 from topkv.relay.transfers import Outcome
 from topkv.relay.workers import WorkerInfo
-from topkv.service.client import http_json
-from topkv.service.cluster import ClusterConfig, LocalCluster
-from topkv.service.cluster_tokens import ClusterTokens
+from topkv.service.cluster.local import ClusterConfig, LocalCluster
+from topkv.service.cluster.tokens import ClusterTokens
 from topkv.service.errors import ClusterError
 from topkv.service.messages import LayoutModel, PrefillRequest
-from topkv.service.registrations import RegistrationServer
-from topkv.service.remote_executor import RemoteExecutor
+from topkv.service.orchestrator.client import http_json
+from topkv.service.orchestrator.executor import RemoteExecutor
+from topkv.service.orchestrator.registrations import RegistrationServer
 from topkv.transport.shm import segments_of
 
 if TYPE_CHECKING:
-    from topkv.service.cluster import ManagedProcess
+    from topkv.service.cluster.local import ManagedProcess
 
 __all__ = ["REPORT_KEYS", "ChaosConfig", "ChaosReport", "ChaosWorkers", "run_chaos"]
 

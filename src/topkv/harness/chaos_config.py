@@ -12,8 +12,8 @@ from typing import Literal
 
 from topkv.errors import ConfigError
 from topkv.relay.orchestrator_config import OrchestratorConfig, RetryPolicy
-from topkv.service.cluster import WorkerPlacement
-from topkv.service.worker_config import WorkerFaults
+from topkv.service.cluster.local import WorkerPlacement
+from topkv.service.worker.config import WorkerFaults
 from topkv.transport.base import KVLayout
 
 REPORT_KEYS = (

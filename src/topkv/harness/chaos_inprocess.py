@@ -1,9 +1,9 @@
 """The ``inprocess`` chaos mode: the workers run in this event loop.
 
-They are the same :class:`~topkv.service.worker.WorkerService` as ``topkv worker``
+They are the same :class:`~topkv.service.worker.service.WorkerService` as ``topkv worker``
 (:class:`~topkv.harness.inprocess_cluster.InProcessCluster`), placed as in the processes
 mode (:func:`~topkv.harness.chaos_config.placements`), injecting the same
-:class:`~topkv.service.worker.WorkerFaults`, and moving their KV over real shared memory and
+:class:`~topkv.service.worker.service.WorkerFaults`, and moving their KV over real shared memory and
 TCP on loopback; the run itself is :func:`topkv.harness.chaos.run_chaos`'s, unchanged. The
 killed decode worker leaves the registry at once, so the orchestrator abandons the transfers
 in flight to it, and dies like a crashed worker: its control API and sinks close and its
@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from topkv.harness.chaos_config import ChaosConfig, placements
 from topkv.harness.inprocess_cluster import InProcessCluster, WorkerSpec
-from topkv.relay.registry import MemoryRegistry
+from topkv.relay.registry.memory import MemoryRegistry
 from topkv.relay.workers import Role
-from topkv.service.auth import new_token
-from topkv.service.worker import WorkerFaults
+from topkv.service.http.auth import new_token
+from topkv.service.worker.service import WorkerFaults
 
 #: Nothing here dies unseen (a killed worker is deregistered at once), so the lease only
 #: has to outlast the event loop's longest stall.

@@ -15,7 +15,7 @@ from typing import Any
 
 from topkv.harness.netns import PrivateNetns
 from topkv.harness.peers import expected_digest, kv_data, spawn_sender, spawn_sink
-from topkv.transport.engines import ENGINE_TRANSPORTS, missing_package
+from topkv.transport.arena.factory import ENGINE_TRANSPORTS, missing_package
 from topkv.transport.errors import ChecksumMismatch, PeerDied, TransportError, TransportUnavailable
 
 

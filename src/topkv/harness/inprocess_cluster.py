@@ -1,9 +1,9 @@
-"""Real workers in this event loop: :class:`~topkv.service.worker.WorkerService` instances,
+"""Real workers in this event loop: :class:`~topkv.service.worker.service.WorkerService` instances,
 each with its sinks, KV store and control API, registered straight into one registry.
 
 This is how tests and ``topkv chaos --mode inprocess`` run a cluster without processes: the
 workers are the same class as ``topkv worker`` (started in-process, not a second
-implementation), so a :class:`~topkv.service.remote_executor.RemoteExecutor` drives them over
+implementation), so a :class:`~topkv.service.orchestrator.executor.RemoteExecutor` drives them over
 their control APIs on loopback and their KV really crosses shared memory or TCP.
 
 :meth:`InProcessCluster.kill` crashes one worker: it leaves the registry at once (as a
@@ -20,20 +20,20 @@ import secrets
 from dataclasses import dataclass, field
 
 from topkv.errors import TopKVError
-from topkv.relay.registry import MemoryRegistry, WorkerRegistry
+from topkv.relay.registry.memory import MemoryRegistry, WorkerRegistry
 from topkv.relay.workers import Role, WorkerInfo
-from topkv.service.auth import Credentials, ServerAuth, new_token
-from topkv.service.engines import EngineSpec
+from topkv.service.compute.engines import EngineSpec
 from topkv.service.errors import ServiceError
+from topkv.service.http.auth import Credentials, ServerAuth, new_token
 from topkv.service.kvstore import HeldKV
-from topkv.service.registrar import DirectRegistrar
-from topkv.service.worker import WorkerConfig, WorkerFaults, WorkerService
+from topkv.service.worker.registrar import DirectRegistrar
+from topkv.service.worker.service import WorkerConfig, WorkerFaults, WorkerService
 
 __all__ = ["InProcessCluster", "SharedRegistrar", "WorkerSpec"]
 
 
 class SharedRegistrar(DirectRegistrar):
-    """A :class:`~topkv.service.registrar.DirectRegistrar` into a registry another party
+    """A :class:`~topkv.service.worker.registrar.DirectRegistrar` into a registry another party
     owns: it registers on the calling (event-loop) thread, so the orchestrator's view sees
     the change at once; ``close`` leaves the registry open (the cluster owns it) and
     :meth:`forget` removes the worker now."""

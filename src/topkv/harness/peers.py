@@ -22,8 +22,8 @@ from typing import Any
 
 from topkv.harness.netns import PrivateNetns
 from topkv.transport import framing
+from topkv.transport.arena.factory import make_sink, make_source
 from topkv.transport.base import LayerTensors, TransferDescriptor
-from topkv.transport.engines import make_sink, make_source
 from topkv.transport.errors import PeerDied, TransferTimeout, TransportError
 
 MODULE = "topkv.harness.peers"

@@ -5,7 +5,7 @@ the snapshots in :mod:`topkv.policy.view` and get a decision back.
 """
 
 from topkv.policy.admission import Admission, AdmissionLimits, admit
-from topkv.policy.adp import (
+from topkv.policy.adp.pool import (
     DEFAULT_ADP,
     AdaptiveDecoderPool,
     ADPConfig,

@@ -1,6 +1,6 @@
 """KV memory tiers (paper §3.7): placement, demotion, promotion and disk admission.
 
-Pure and clock-injected: the live worker (:mod:`topkv.service.tiered_kv`) and the simulator
+Pure and clock-injected: the live worker (:mod:`topkv.service.tiers.tiered`) and the simulator
 (:mod:`topkv.sim.tiers`) call the same functions.
 
 * **Tiers** are ordered fastest first (device, host DRAM / CXL, disk); each has a capacity

@@ -1,21 +1,21 @@
-"""The Adaptive Decoder Pool, live: the orchestrator's side of :mod:`topkv.policy.adp`.
+"""The Adaptive Decoder Pool, live: the orchestrator's side of :mod:`topkv.policy.adp.pool`.
 
-Every decision comes from :class:`~topkv.policy.adp.AdaptiveDecoderPool`, the object the
-simulator runs too (:mod:`topkv.sim.adaptive`), on an injected clock. This module feeds it
+Every decision comes from :class:`~topkv.policy.adp.pool.AdaptiveDecoderPool`, the object the
+simulator runs too (:mod:`topkv.sim.adp`), on an injected clock. This module feeds it
 what the orchestrator sees and applies its plans to real workers:
 
 * observations: each request's prompt tokens as it arrives (:meth:`LiveAdaptivePool.
   observe_arrival`), each first token's TTFT (:meth:`~LiveAdaptivePool.observe_ttft`, or
   :meth:`~LiveAdaptivePool.delivered` from a delivered record), and at every
   :meth:`~LiveAdaptivePool.tick` the prefill queue depth (default: the requests accepted
-  and not yet delivered) and one :class:`~topkv.policy.adp.WorkerView` per registered
+  and not yet delivered) and one :class:`~topkv.policy.adp.pool.WorkerView` per registered
   worker: its delivered KV as ``active_decode``, the transfers to or from it not yet
   finished as ``unacked_kv``, its capacity as ``decode_slots``;
 * ``fence``: the orchestrator routes no new KV to the worker (:meth:`Orchestrator.fence`);
   what is in flight to it finishes (or fails over) as usual;
 * ``to_prefill`` / ``to_decode``: a conversion task. The worker is fenced, told its new
   role through a :class:`RoleSwitcher` (``POST /v1/role`` on the worker:
-  :meth:`~topkv.service.remote_executor.RemoteExecutor.set_role`), which refuses while it
+  :meth:`~topkv.service.orchestrator.executor.RemoteExecutor.set_role`), which refuses while it
   holds KV not yet acknowledged, keeps its decode sequences up to the chunked-prefill
   reserve and re-registers it under the new role; the conversion is finished when the
   orchestrator's registry view shows the new role. Its duration (decided to re-registered,
@@ -44,7 +44,7 @@ from typing import Any, Literal, Protocol
 from prometheus_client import CollectorRegistry
 
 from topkv.errors import TopKVError
-from topkv.policy.adp import (
+from topkv.policy.adp.pool import (
     DEFAULT_ADP,
     AdaptiveDecoderPool,
     ADPConfig,
@@ -66,7 +66,7 @@ PREFILL_STAGES: frozenset[Stage] = frozenset({"converting", "converted", "draini
 
 class RoleSwitcher(Protocol):
     """Tells a worker to serve another pool (implemented over HTTP by the service's
-    :class:`~topkv.service.remote_executor.RemoteExecutor`)."""
+    :class:`~topkv.service.orchestrator.executor.RemoteExecutor`)."""
 
     async def set_role(
         self, worker: WorkerInfo, role: Role, *, chunk_tokens: int, reserved_slots: int

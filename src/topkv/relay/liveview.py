@@ -12,7 +12,7 @@ import asyncio
 import threading
 from collections.abc import Callable
 
-from topkv.relay.registry import WorkerRegistry
+from topkv.relay.registry.memory import WorkerRegistry
 from topkv.relay.workers import RegistryEvent, Role, WorkerInfo
 
 LeaveListener = Callable[[str], None]

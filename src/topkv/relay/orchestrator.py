@@ -24,8 +24,8 @@ Every terminal outcome is put on a completion queue of ``completion_queue_size``
 
 Split by concern: :mod:`~topkv.relay.orchestrator_config` (limits, timeouts, retries),
 :mod:`~topkv.relay.routing` (decode worker and transports) over
-:mod:`~topkv.relay.slots` (decode slots), :mod:`~topkv.relay.attempts` (the attempt loop),
-:mod:`~topkv.relay.handoff` (deferred digest, verification, handoff, cleanup) and
+:mod:`~topkv.relay.slots` (decode slots), :mod:`~topkv.relay.attempts.loop` (the attempt loop),
+:mod:`~topkv.relay.attempts.handoff` (deferred digest, verification, handoff, cleanup) and
 :mod:`~topkv.relay.completions` (the completion queue).
 """
 
@@ -39,16 +39,16 @@ from topkv.policy.clock import Clock, MonotonicClock
 from topkv.policy.route import RoutingPolicy
 from topkv.policy.select import CostPolicy, TransportSelector
 from topkv.policy.view import LinkLoadTracker
-from topkv.relay.attempts import AttemptLoop, Sleep
+from topkv.relay.attempts.handoff import Handoff
+from topkv.relay.attempts.loop import AttemptLoop, Sleep
 from topkv.relay.completions import Completion, CompletionQueue
 from topkv.relay.context import RelayContext
 from topkv.relay.executor import TransferExecutor
-from topkv.relay.handoff import Handoff
 from topkv.relay.liveview import LiveWorkerView
 from topkv.relay.metrics import RelayMetrics
 from topkv.relay.orchestrator_config import OrchestratorConfig
 from topkv.relay.pairs import CachingSelector, PairViewCache
-from topkv.relay.registry import WorkerRegistry
+from topkv.relay.registry.memory import WorkerRegistry
 from topkv.relay.routing import DecodeRouter, WorkerPairView
 from topkv.relay.runs import TransferRun
 from topkv.relay.slots import DecodeSlots

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from topkv.errors import ConfigError
-from topkv.policy.moe import STRATEGIES as MOE_STRATEGIES
+from topkv.policy.moe.router import STRATEGIES as MOE_STRATEGIES
 
 
 @dataclass(frozen=True)

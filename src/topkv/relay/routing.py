@@ -12,8 +12,8 @@ from topkv.policy.route import RouteDecision, RouteScore, RoutingPolicy
 from topkv.policy.select import TransportSelector
 from topkv.policy.view import Endpoint, LinkLoad, LinkLoadTracker, PairView, TransferRequest
 from topkv.relay.context import RelayContext, RelayPart
-from topkv.relay.experts import ExpertRegistry
-from topkv.relay.moe_routing import MoEChooser
+from topkv.relay.moe.experts import ExpertRegistry
+from topkv.relay.moe.routing import MoEChooser
 from topkv.relay.pairs import CachingSelector
 from topkv.relay.runs import Exhausted, TransferRun
 from topkv.relay.transfers import FailureKind, TransferRecord, TransferState

@@ -328,7 +328,7 @@ class Released(BaseModel):
     released: bool
 
 
-# -- a worker changing pools (the Adaptive Decoder Pool: topkv.service.worker_role) ---------
+# -- a worker changing pools (the Adaptive Decoder Pool: topkv.service.worker.role) ---------
 
 
 class RoleRequest(BaseModel):

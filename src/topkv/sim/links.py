@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from topkv.sim.engine import EventLoop
 from topkv.sim.errors import SimError
+from topkv.sim.events import EventLoop
 
 _REL_EPS = 1e-9
 _DONE_BYTES = 1e-3  # a flow with less than this many bytes left is complete

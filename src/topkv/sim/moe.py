@@ -2,7 +2,7 @@
 
 The run is :class:`~topkv.sim.runner.Simulation`'s, with three changes:
 
-* **Routing.** The decode instance comes from :class:`topkv.policy.moe.MoERouter` (the
+* **Routing.** The decode instance comes from :class:`topkv.policy.moe.router.MoERouter` (the
   object the live orchestrator uses, on the event loop's clock) over an expert snapshot
   rebuilt every ``heartbeat_s`` from the instances' state, as a live registry is from
   heartbeats; or, for the baseline ``least-loaded``, the instance with the least reserved.
@@ -33,14 +33,14 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from topkv.policy.moe import (
+from topkv.policy.moe.experts import ExpertReplica, ExpertSnapshot
+from topkv.policy.moe.router import (
     STRATEGIES,
     MoERequest,
     MoERouter,
     MoETarget,
     dispatch_bytes_per_activation,
 )
-from topkv.policy.moe_experts import ExpertReplica, ExpertSnapshot
 from topkv.policy.pairs import gpu_port, nic_port
 from topkv.policy.route import DecodeWorkerView
 from topkv.policy.view import PathCandidate, TransferRequest

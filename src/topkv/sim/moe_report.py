@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from rich.table import Table
 
 from topkv.errors import ConfigError
-from topkv.policy.moe import STRATEGIES
+from topkv.policy.moe.router import STRATEGIES
 from topkv.sim.moe import BASELINE, MoESimOptions, run_moe_routers
 from topkv.sim.runner import SimConfig
 from topkv.traces import Workload

@@ -37,16 +37,16 @@ import numpy as np
 
 from topkv.kv.spec import ModelSpec
 from topkv.policy.admission import AdmissionLimits, admit
-from topkv.policy.adp import ADPConfig
+from topkv.policy.adp.pool import ADPConfig
 from topkv.policy.bandwidth import BandwidthEstimator
 from topkv.policy.route import DecodeWorkerView, RouteDecision, RoutingPolicy
 from topkv.policy.select import TransportSelector, policy_from_name
 from topkv.policy.view import Endpoint, LinkLoad, PairView, PathCandidate, TransferRequest
-from topkv.sim.adaptive import AdpDriver
+from topkv.sim.adp import AdpDriver
 from topkv.sim.cluster import ClusterSpec, Instance, LinkMap, SimCluster, SimGPU
 from topkv.sim.compute import ComputeModel, default_tp, get_gpu
-from topkv.sim.engine import EventLoop, make_loop
 from topkv.sim.errors import SimError
+from topkv.sim.events import EventLoop, make_loop
 from topkv.sim.links import Flow, LinkNetwork, SimLink
 from topkv.sim.result import PolicyResult as PolicyResult
 from topkv.sim.state import DecodeState, ReqState

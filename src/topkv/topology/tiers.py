@@ -8,7 +8,7 @@ Sources, each with a fallback:
   as NUMA nodes; :mod:`topkv.topology.build` tells them apart);
 * disks: ``lsblk -J -b``, else ``/sys/block/<dev>/{size,queue/rotational}``.
 
-The inventory is data only; the worker (:mod:`topkv.service.tier_config`) checks what a tier
+The inventory is data only; the worker (:mod:`topkv.service.tiers.config`) checks what a tier
 configuration asks for against it.
 """
 

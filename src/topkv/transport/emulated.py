@@ -51,7 +51,7 @@ from topkv.transport.base import (
     TransportMode,
 )
 from topkv.transport.errors import TransferCancelled, TransportError
-from topkv.transport.sending import check_layer
+from topkv.transport.stream.sending import check_layer
 
 
 @dataclass(frozen=True)

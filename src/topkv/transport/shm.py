@@ -48,24 +48,6 @@ from topkv.transport.errors import (
     TransportUnavailable,
     wait_for_release,
 )
-from topkv.transport.handshake import client_handshake
-from topkv.transport.listening import ControlSession, ListeningSink, crc_mismatch
-from topkv.transport.options import SinkOptions, SourceOptions, StreamSource
-from topkv.transport.receiving import (
-    LayerMessage,
-    TransferMessage,
-    carve_layers,
-    error_from_ack,
-    read_replies,
-    status_for,
-)
-from topkv.transport.sending import (
-    FINISH,
-    ControlChannel,
-    ControlConnections,
-    HostOutgoing,
-    LayerItem,
-)
 from topkv.transport.shm_segments import (
     SEGMENT_DIR,
     create_segment,
@@ -75,6 +57,24 @@ from topkv.transport.shm_segments import (
     sweep_stale_segments,
 )
 from topkv.transport.shm_segments import segments_of as segments_of  # for leak checks
+from topkv.transport.stream.handshake import client_handshake
+from topkv.transport.stream.listening import ControlSession, ListeningSink, crc_mismatch
+from topkv.transport.stream.options import SinkOptions, SourceOptions, StreamSource
+from topkv.transport.stream.receiving import (
+    LayerMessage,
+    TransferMessage,
+    carve_layers,
+    error_from_ack,
+    read_replies,
+    status_for,
+)
+from topkv.transport.stream.sending import (
+    FINISH,
+    ControlChannel,
+    ControlConnections,
+    HostOutgoing,
+    LayerItem,
+)
 
 _connection_ids = itertools.count(1)
 

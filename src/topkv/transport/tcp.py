@@ -5,7 +5,7 @@ Why blocking threads: measured on this machine with 256 MiB, a blocking ``sendal
 copies the unsent tail) and ``loop.sock_sendall`` about 2.1. The kernel copies release the
 GIL, so threads give real parallelism for many concurrent transfers.
 
-Stream protocol (after the HMAC handshake, see :mod:`topkv.transport.handshake`)::
+Stream protocol (after the HMAC handshake, see :mod:`topkv.transport.stream.handshake`)::
 
     sender -> receiver: transfer header (128 B), then per layer: layer header (64 B) + K + V,
                         then DONE; or CANCEL at any frame boundary
@@ -44,10 +44,10 @@ from topkv.transport.errors import (
     TransferTimeout,
     TransportError,
 )
-from topkv.transport.handshake import client_handshake
-from topkv.transport.listening import ListeningSink
-from topkv.transport.options import SinkOptions, SourceOptions, StreamSource
-from topkv.transport.receiving import (
+from topkv.transport.stream.handshake import client_handshake
+from topkv.transport.stream.listening import ListeningSink
+from topkv.transport.stream.options import SinkOptions, SourceOptions, StreamSource
+from topkv.transport.stream.receiving import (
     Allocator,
     HostAllocator,
     LayerMessage,
@@ -57,8 +57,8 @@ from topkv.transport.receiving import (
     recv_verified,
     status_for,
 )
-from topkv.transport.sending import FINISH, HostOutgoing, LayerItem, layer_crcs
-from topkv.transport.sockio import recv_exactly, send_buffers, set_io_timeout
+from topkv.transport.stream.sending import FINISH, HostOutgoing, LayerItem, layer_crcs
+from topkv.transport.stream.sockio import recv_exactly, send_buffers, set_io_timeout
 
 log = logging.getLogger(__name__)
 

@@ -54,6 +54,9 @@ HEADER_SIZE: Final = 128
 HEADER_STRUCT: Final = struct.Struct("<8sHHB3s16sIIIIIIQQQQ32sQ")
 HEADER_CRC_OFFSET: Final = 120
 REQUEST_KEY_SIZE: Final = 16
+#: Where the request key sits in an encoded header (a sink routes a frame by it unparsed).
+REQUEST_KEY_OFFSET: Final = 16
+REQUEST_KEY_END: Final = REQUEST_KEY_OFFSET + REQUEST_KEY_SIZE
 
 _U32_MAX: Final = (1 << 32) - 1
 _U64_MAX: Final = (1 << 64) - 1

@@ -28,8 +28,8 @@ from topkv.integrations.kubernetes.lease import (
     DEFAULT_LEASE_NAME,
     KubernetesLeaseBackend,
 )
-from topkv.relay.leader import Candidate, ElectionTiming, LeaderElectionError
-from topkv.relay.leader_loop import LeaderElection
+from topkv.relay.leader.base import Candidate, ElectionTiming, LeaderElectionError
+from topkv.relay.leader.loop import LeaderElection
 
 NS = "inference"
 TIMING = ElectionTiming.for_lease(2.0)
@@ -179,7 +179,7 @@ def test_api_errors_are_clear_and_the_loop_retries_them(
             await election.stop()
         assert _spec(standin).get("holderIdentity") is None  # released on stop
 
-    with caplog.at_level(logging.WARNING, logger="topkv.relay.leader_loop"):
+    with caplog.at_level(logging.WARNING, logger="topkv.relay.leader.loop"):
         asyncio.run(main())
     failures = [r.getMessage() for r in caplog.records if "attempt failed" in r.getMessage()]
     assert len(failures) == 3, failures

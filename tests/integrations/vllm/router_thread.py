@@ -6,8 +6,8 @@ import asyncio
 import threading
 from concurrent.futures import Future
 
-from topkv.integrations.vllm.router import RouterServer
-from topkv.service.auth import Credentials, ServerAuth
+from topkv.integrations.vllm.frontdoor.router import RouterServer
+from topkv.service.http.auth import Credentials, ServerAuth
 
 
 class RouterThread:

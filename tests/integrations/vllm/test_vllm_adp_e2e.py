@@ -25,18 +25,18 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from topkv.integrations.vllm.model import VOCAB_SIZE, write_tiny_llama
-from topkv.integrations.vllm.pools import AdpOptions
-from topkv.integrations.vllm.router import RouterServer
-from topkv.integrations.vllm.stack import (
+from topkv.integrations.vllm.frontdoor.adp import AdpOptions
+from topkv.integrations.vllm.frontdoor.router import RouterServer
+from topkv.integrations.vllm.stack.instances import (
     StackFiles,
     start_orchestrator,
     start_pd_instances,
     wait_up,
 )
-from topkv.policy.adp import ADPConfig
-from topkv.service.auth import Credentials, ServerAuth
-from topkv.service.cluster import Supervisor
+from topkv.integrations.vllm.stack.model import VOCAB_SIZE, write_tiny_llama
+from topkv.policy.adp.pool import ADPConfig
+from topkv.service.cluster.local import Supervisor
+from topkv.service.http.auth import Credentials, ServerAuth
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 ops = pytest.importorskip("vllm._custom_ops")
 
-from topkv.integrations.vllm.layout import BlockLayout, gather_tokens, scatter_tokens  # noqa: E402
+from topkv.integrations.vllm.connector.layout import BlockLayout, gather_tokens, scatter_tokens  # noqa: E402
 
 
 @pytest.mark.parametrize("isa", ["vec", "vec16"])

@@ -26,18 +26,18 @@ openai = pytest.importorskip("openai")
 
 from router_thread import RouterThread  # noqa: E402
 
-from topkv.integrations.vllm.launch import VllmInstance  # noqa: E402
-from topkv.integrations.vllm.model import VOCAB_SIZE, write_tiny_llama  # noqa: E402
-from topkv.integrations.vllm.params import shm_socket_path  # noqa: E402
-from topkv.integrations.vllm.remote_registry import OrchestratorRegistry  # noqa: E402
-from topkv.integrations.vllm.stack import (  # noqa: E402
+from topkv.integrations.vllm.connector.params import shm_socket_path  # noqa: E402
+from topkv.integrations.vllm.frontdoor.remote_registry import OrchestratorRegistry  # noqa: E402
+from topkv.integrations.vllm.stack.instances import (  # noqa: E402
     StackFiles,
     start_orchestrator,
     start_pd_instances,
     wait_up,
 )
+from topkv.integrations.vllm.stack.launch import VllmInstance  # noqa: E402
+from topkv.integrations.vllm.stack.model import VOCAB_SIZE, write_tiny_llama  # noqa: E402
 from topkv.packaged import packaged_file  # noqa: E402
-from topkv.service.cluster import Supervisor  # noqa: E402
+from topkv.service.cluster.local import Supervisor  # noqa: E402
 from topkv.traces import read_azure_csv  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
@@ -308,7 +308,7 @@ def test_an_engine_medium_forced_per_request_is_token_identical_and_verified(
     """``X-TopKV-Medium: nixl`` (or mooncake): the KV moves by that engine (NIXL: UCX
     writes into the decode's registered arena; Mooncake: its Transfer Engine's), and the
     decode loads it from its sink of that medium, verified."""
-    from topkv.service.worker_media import why_unavailable
+    from topkv.service.worker.media import why_unavailable
 
     reason = why_unavailable(medium)
     if reason is not None:

@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 from hypothesis import given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from topkv.integrations.vllm.layout import (  # noqa: E402
+from topkv.integrations.vllm.connector.layout import (  # noqa: E402
     BlockLayout,
     LayoutError,
     gather_tokens,

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from topkv.integrations.vllm.media import offered_media, pair_medium
-from topkv.integrations.vllm.params import MEDIA, ConnectorConfigError, ConnectorSettings
-from topkv.integrations.vllm.picker import NoInstance, Picker
-from topkv.relay.registry import MemoryRegistry
+from topkv.integrations.vllm.connector.media import offered_media, pair_medium
+from topkv.integrations.vllm.connector.params import MEDIA, ConnectorConfigError, ConnectorSettings
+from topkv.integrations.vllm.frontdoor.picker import NoInstance, Picker
+from topkv.relay.registry.memory import MemoryRegistry
 from topkv.relay.workers import WorkerCapabilities, WorkerInfo
-from topkv.service.worker_media import why_unavailable
+from topkv.service.worker.media import why_unavailable
 
 NIXL = "nixl://127.0.0.1:9100"
 

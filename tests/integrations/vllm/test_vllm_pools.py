@@ -1,4 +1,4 @@
-"""The front door's ADP (:mod:`topkv.integrations.vllm.pools`) on an injected clock: a rush
+"""The front door's ADP (:mod:`topkv.integrations.vllm.frontdoor.adp`) on an injected clock: a rush
 moves a kv_both instance to prefill, its end moves it back, a busy instance is fenced until it
 drains, the share cap holds; every move shows in the registry and the metrics."""
 
@@ -8,18 +8,18 @@ import asyncio
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from topkv.integrations.vllm.picker import Picker
-from topkv.integrations.vllm.pools import (
+from topkv.integrations.vllm.frontdoor.adp import (
     EmbeddedRoleWriter,
     FrontDoorADP,
     Ticket,
     prompt_tokens,
 )
-from topkv.policy.adp import ADPConfig, plan_conversions
+from topkv.integrations.vllm.frontdoor.picker import Picker
+from topkv.policy.adp.pool import ADPConfig, plan_conversions
 from topkv.policy.clock import ManualClock
-from topkv.relay.registry import MemoryRegistry
+from topkv.relay.registry.memory import MemoryRegistry
 from topkv.relay.workers import WorkerInfo
-from topkv.service.registrations import Registrations
+from topkv.service.orchestrator.registrations import Registrations
 
 CONFIG = ADPConfig(
     velocity_window_s=1.0, baseline_window_s=30.0, queue_window_s=2.0, queue_growth_per_s=1.0,

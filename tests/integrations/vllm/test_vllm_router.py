@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 from router_thread import RouterThread
 
-from topkv.integrations.vllm.picker import NoInstance, Picker, held_tokens, prompt_hashes
-from topkv.integrations.vllm.remote_registry import OrchestratorRegistry
-from topkv.integrations.vllm.stack import StackFiles, start_orchestrator
-from topkv.relay.registry import MemoryRegistry
+from topkv.integrations.vllm.frontdoor.picker import NoInstance, Picker, held_tokens, prompt_hashes
+from topkv.integrations.vllm.frontdoor.remote_registry import OrchestratorRegistry
+from topkv.integrations.vllm.stack.instances import StackFiles, start_orchestrator
+from topkv.relay.registry.memory import MemoryRegistry
 from topkv.relay.workers import WorkerCapabilities, WorkerInfo
-from topkv.service.cluster import Supervisor
+from topkv.service.cluster.local import Supervisor
 
 ADMIN, WORKER = "tkv_admin_for_router_tests", "tkv_worker_for_router_tests"
 
@@ -251,7 +251,7 @@ def test_router_reads_its_instances_from_a_real_etcd(tmp_path: Path) -> None:
     """``--registry etcd://``: the instances hold their own leases in etcd (as a connector
     with that registry_url does); the front door lists them from there."""
     from etcd_servers import start_etcd, stop_etcd
-    from topkv.relay.registry import open_registry
+    from topkv.relay.registry.memory import open_registry
 
     etcd = start_etcd(tmp_path / "etcd", "router")
     url = f"etcd://127.0.0.1:{etcd.port}"

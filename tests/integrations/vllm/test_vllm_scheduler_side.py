@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from topkv.integrations.vllm.params import ConnectorConfigError, ConnectorSettings
-from topkv.integrations.vllm.scheduler_side import SchedulerSide
+from topkv.integrations.vllm.connector.params import ConnectorConfigError, ConnectorSettings
+from topkv.integrations.vllm.connector.scheduler_side import SchedulerSide
 
 PER_TOKEN = 4096
 

@@ -4,7 +4,7 @@ test_vllm_e2e.py)."""
 
 from __future__ import annotations
 
-from topkv.integrations.vllm.stream import (
+from topkv.integrations.vllm.frontdoor.stream import (
     StreamState,
     as_client_chunk,
     can_fail_over,

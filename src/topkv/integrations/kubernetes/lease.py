@@ -17,7 +17,7 @@ One try (client-go ``tryAcquireOrRenew``):
 
 The epoch of a leadership is ``leaseTransitions``. The holder's address is kept in the
 Lease annotation ``topkv.io/leader-address``. Every API failure (403, 409, 5xx, timeouts)
-becomes a :class:`~topkv.relay.leader.LeaderElectionError` with one clear line; the election
+becomes a :class:`~topkv.relay.leader.base.LeaderElectionError` with one clear line; the election
 loop retries it with bounded backoff.
 """
 
@@ -35,7 +35,7 @@ from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.coordination_v1 import Lease
 
 from topkv.integrations.kubernetes.client import api_client
-from topkv.relay.leader import Candidate, ElectionTiming, LeaderElectionError, LeaderRecord
+from topkv.relay.leader.base import Candidate, ElectionTiming, LeaderElectionError, LeaderRecord
 
 DEFAULT_LEASE_NAME = "topkv-orchestrator"
 ADDRESS_ANNOTATION = "topkv.io/leader-address"

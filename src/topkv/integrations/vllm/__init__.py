@@ -1,9 +1,13 @@
-"""TopKV inside vLLM: the KV connector (``TopKVConnector``) and its helpers.
+"""TopKV inside vLLM and around it, in three rooms:
+
+* :mod:`.connector`: what runs inside vLLM (TopKVConnector, its scheduler and worker sides);
+  only it imports vLLM;
+* :mod:`.frontdoor`: the OpenAI-compatible front door over vLLM instances;
+* :mod:`.stack`: a local prefill/decode stack of vLLM instances and the runners built on it.
 
 vLLM loads the connector with ``"kv_connector": "TopKVConnector",
-"kv_connector_module_path": "topkv.integrations.vllm"``. Only :mod:`.connector` and the
-modules it uses import vLLM; the block-layout helpers (:mod:`.layout`) and the front door
-(:mod:`.router`) do not, so they work (and are tested) without vLLM installed.
+"kv_connector_module_path": "topkv.integrations.vllm"``; the front door and the block-layout
+helpers work (and are tested) without vLLM installed.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from typing import Any
 
 def __getattr__(name: str) -> Any:
     if name == "TopKVConnector":
-        from topkv.integrations.vllm.connector import TopKVConnector
+        from topkv.integrations.vllm.connector.kv_connector import TopKVConnector
 
         return TopKVConnector
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
