@@ -435,7 +435,7 @@ def test_auto_chooses_the_gpu_and_labels_it(tmp_path: Path) -> None:
 def test_worker_status_and_metrics_say_which_device_tier(monkeypatch: pytest.MonkeyPatch) -> None:
     from prometheus_client import generate_latest
 
-    from topkv.service.worker.service import tiers as worker_tiers
+    from topkv.service.worker import tiers as worker_tiers
 
     stand_in = worker_tiers.WorkerTiers(
         TierConfig(1, host_bytes=1 << 20, device_tier="host-stand-in")

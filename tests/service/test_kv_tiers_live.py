@@ -29,7 +29,7 @@ from topkv.service.tiers.config import TierConfig
 from topkv.service.tiers.tiered import open_tiered_kv
 from topkv.service.worker.registrar import DirectRegistrar
 from topkv.service.worker.service import WorkerConfig, WorkerService
-from topkv.service.worker.service import tiers as worker_tiers
+from topkv.service.worker import tiers as worker_tiers
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
