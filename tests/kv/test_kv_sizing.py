@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from topkv.dtypes import KV_DTYPES
 from topkv.errors import ConfigError
 from topkv.kv import (
-    DTYPE_BYTES,
     ModelConfigError,
     ModelSpec,
     UnknownDtypeError,
@@ -57,7 +57,7 @@ def test_dtype_scaling() -> None:
     assert spec.kv_bytes(1000, "bf16") == fp16
     assert spec.kv_bytes(1000, "fp32") == 2 * fp16
     assert spec.kv_bytes(1000, "FP8") * 2 == fp16
-    assert set(DTYPE_BYTES) == {"fp32", "bf16", "fp16", "fp8"}
+    assert set(KV_DTYPES) == {"fp32", "bf16", "fp16", "fp8"}
 
 
 def test_unknown_dtype_is_a_config_error() -> None:

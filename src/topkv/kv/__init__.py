@@ -4,14 +4,13 @@ Pure: no I/O except :func:`load_hf_config`, which reads one local file.
 """
 
 from topkv.kv.catalog import catalog, get_model
-from topkv.kv.dtypes import DTYPE_BYTES, dtype_bytes
+from topkv.kv.dtypes import dtype_bytes
 from topkv.kv.errors import ModelConfigError, UnknownDtypeError, UnknownModelError
 from topkv.kv.hf_config import SUPPORTED_MODEL_TYPES, load_hf_config, spec_from_hf_dict
 from topkv.kv.spec import ATTENTION_KINDS, LAYER_TYPES, AttentionKind, LayerType, ModelSpec
 
 __all__ = [
     "ATTENTION_KINDS",
-    "DTYPE_BYTES",
     "LAYER_TYPES",
     "SUPPORTED_MODEL_TYPES",
     "AttentionKind",

@@ -11,8 +11,9 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from topkv.dtypes import KV_DTYPES
 from topkv.relay.workers import Role, WorkerCapabilities, WorkerInfo
-from topkv.transport.base import DTYPE_SIZES, KVLayout
+from topkv.transport.base import KVLayout
 
 #: Largest KV cache a single request may ask a worker to hold (bounded allocations).
 MAX_KV_BYTES = 64 << 30
@@ -40,7 +41,7 @@ class LayoutModel(BaseModel):
         return self
 
     def to_layout(self) -> KVLayout:
-        assert self.dtype in DTYPE_SIZES
+        assert self.dtype in KV_DTYPES
         return KVLayout(
             self.num_layers, self.seq_len, self.kv_heads, self.head_dim, self.dtype, self.latent
         )

@@ -72,6 +72,8 @@ from dataclasses import dataclass, field
 
 from typing_extensions import Buffer as Buffer  # collections.abc.Buffer is 3.12+
 
+from topkv.dtypes import KV_DTYPES
+
 
 class TransportMode(enum.StrEnum):
     """Class of interconnect path; the selection policy chooses one per transfer."""
@@ -81,15 +83,6 @@ class TransportMode(enum.StrEnum):
     PCIE = "pcie"
     RDMA = "rdma"
     TCP = "tcp"
-
-
-#: Bytes per element of each supported KV dtype.
-DTYPE_SIZES: dict[str, int] = {
-    "fp8": 1,
-    "fp16": 2,
-    "bf16": 2,
-    "fp32": 4,
-}
 
 
 @dataclass(frozen=True)
@@ -109,7 +102,8 @@ class KVLayout:
 
     @property
     def itemsize(self) -> int:
-        return DTYPE_SIZES[self.dtype]
+        """Bytes per element of ``dtype``, from the one table (:data:`topkv.dtypes.KV_DTYPES`)."""
+        return KV_DTYPES[self.dtype].itemsize
 
     @property
     def tensors_per_layer(self) -> int:
@@ -140,10 +134,13 @@ class TransferDescriptor:
 
 @dataclass(frozen=True)
 class TransferResult:
-    """Outcome of a completed (acknowledged, verified) transfer, seen by the sender."""
+    """Outcome of a completed (acknowledged, verified) transfer, seen by the sender.
+
+    ``medium`` is the registered transport that moved the bytes (``shm``, ``tcp``, ``nixl``,
+    ``emulated-<mode>`` ...); ``mode`` is its transport mode."""
 
     request_id: int
-    transport: str
+    medium: str
     mode: TransportMode
     size_bytes: int
     seconds: float

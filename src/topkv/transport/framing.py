@@ -7,7 +7,9 @@ cancellation, shm segment management). Every decoder checks sizes against
 :class:`ReceiveLimits` *before* the caller allocates anything.
 
 Per-layer frames are the wire format's (:mod:`topkv.wire`) ``LayerFrameHeader`` followed by
-K and V; the transfer-open and control records are transport-level. CRC-64/NVME from
+K and V; the transfer-open and control records are transport-level. Both headers name the
+dtype by its wire code (:mod:`topkv.dtypes`, the one table; docs/wire-format.md), at the same
+offset 12. CRC-64/NVME from
 :mod:`topkv.wire` is the checksum; :func:`crc64` continues a
 running value so verification streams over received chunks.
 """
@@ -19,7 +21,8 @@ import struct
 from dataclasses import dataclass
 
 from topkv import wire
-from topkv.transport.base import DTYPE_SIZES, KVLayout, TransferDescriptor
+from topkv.dtypes import BY_WIRE_CODE, KV_DTYPES
+from topkv.transport.base import KVLayout, TransferDescriptor
 from topkv.transport.errors import FrameRejected
 
 TRANSFER_MAGIC = b"KVOPEN01"
@@ -27,8 +30,6 @@ CONTROL_MAGIC = b"TKVCTRL1"
 MAGIC_SIZE = 8
 PROTOCOL_VERSION = 1
 
-_DTYPE_CODES: dict[str, int] = {"fp8": 1, "fp16": 2, "bf16": 3, "fp32": 4}
-_CODE_DTYPES: dict[int, str] = {v: k for k, v in _DTYPE_CODES.items()}
 _FLAG_LATENT = 1
 MODEL_ID_MAX = 48
 
@@ -74,8 +75,8 @@ class ReceiveLimits:
 
 def validate_layout(layout: KVLayout) -> None:
     """Reject layouts that cannot describe a real KV cache."""
-    if layout.dtype not in DTYPE_SIZES:
-        raise FrameRejected(f"unknown dtype {layout.dtype!r}; known: {sorted(DTYPE_SIZES)}")
+    if layout.dtype not in KV_DTYPES:
+        raise FrameRejected(f"unknown dtype {layout.dtype!r}; known: {sorted(KV_DTYPES)}")
     for name in ("num_layers", "seq_len", "kv_heads", "head_dim"):
         value = getattr(layout, name)
         if value <= 0:
@@ -96,7 +97,7 @@ def encode_transfer_header(descriptor: TransferDescriptor, streams: int = 1) -> 
             TRANSFER_MAGIC,
             PROTOCOL_VERSION,
             _FLAG_LATENT if layout.latent else 0,
-            _DTYPE_CODES[layout.dtype],
+            KV_DTYPES[layout.dtype].wire_code,
             streams,
             descriptor.request_id,
             layout.seq_len,
@@ -134,7 +135,8 @@ def decode_transfer_header(
         raise FrameRejected(f"bad transfer magic {magic!r}")
     if version != PROTOCOL_VERSION:
         raise FrameRejected(f"unsupported protocol version {version}")
-    if dtype_code not in _CODE_DTYPES:
+    element_type = BY_WIRE_CODE.get(dtype_code)
+    if element_type is None or element_type.kv_name is None:
         raise FrameRejected(f"unknown dtype code {dtype_code}")
     if not 1 <= streams <= limits.max_streams:
         raise FrameRejected(f"stream count {streams} outside 1..{limits.max_streams}")
@@ -143,7 +145,7 @@ def decode_transfer_header(
         seq_len=seq_len,
         kv_heads=kv_heads,
         head_dim=head_dim,
-        dtype=_CODE_DTYPES[dtype_code],
+        dtype=element_type.kv_name,
         latent=bool(flags & _FLAG_LATENT),
     )
     validate_layout(layout)
@@ -164,12 +166,6 @@ def decode_transfer_header(
 
 LAYER_MAGIC = wire.MAGIC
 LAYER_HEADER_SIZE = wire.HEADER_SIZE
-_WIRE_DTYPES: dict[str, wire.DType] = {
-    "fp8": wire.DType.FP8_E4M3,
-    "fp16": wire.DType.FP16,
-    "bf16": wire.DType.BF16,
-    "fp32": wire.DType.FP32,
-}
 
 
 @dataclass(frozen=True)
@@ -189,7 +185,7 @@ def encode_layer_header(descriptor: TransferDescriptor, layer: int, crcs: tuple[
         header = wire.LayerFrameHeader(
             request_key=wire.request_key(str(descriptor.request_id)),
             model_id=wire.model_id_for(descriptor.model_id),
-            dtype=_WIRE_DTYPES[layout.dtype],
+            dtype=_wire_dtype(layout),
             seq_len=layout.seq_len,
             layers=layout.num_layers,
             layer_index=layer,
@@ -220,7 +216,7 @@ def decode_layer_header(data: bytes | memoryview, descriptor: TransferDescriptor
         layout.seq_len,
         layout.kv_heads,
         layout.head_dim,
-        _WIRE_DTYPES[layout.dtype],
+        _wire_dtype(layout),
         layout.latent,
     )
     got = (
@@ -237,6 +233,11 @@ def decode_layer_header(data: bytes | memoryview, descriptor: TransferDescriptor
         )
     crcs = (header.k_crc,) if layout.latent else (header.k_crc, header.v_crc)
     return LayerHeader(descriptor.request_id, header.layer_index, header.k_bytes, crcs)
+
+
+def _wire_dtype(layout: KVLayout) -> wire.DType:
+    """The wire format's dtype of a layout (the same wire code as the transfer header's)."""
+    return wire.DType.from_code(KV_DTYPES[layout.dtype].wire_code)
 
 
 def _wire_limits(layout: KVLayout) -> wire.WireLimits:
