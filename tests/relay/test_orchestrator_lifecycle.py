@@ -52,7 +52,7 @@ class ScriptedExecutor:
         return DIGEST
 
     async def transfer(self, plan: AttemptPlan) -> Delivery:
-        key = (plan.destination.worker_id, plan.transport)
+        key = (plan.destination.worker_id, plan.path_class)
         self.calls.append(key)
         self.active += 1
         self.peak = max(self.peak, self.active)
@@ -69,7 +69,7 @@ class ScriptedExecutor:
             return Delivery(
                 plan.request_id,
                 plan.destination.worker_id,
-                plan.transport,
+                plan.path_class,
                 "test",
                 64,
                 0.001,
@@ -229,6 +229,55 @@ def test_everything_exhausted_fails_cleanly(policy: str, outcome: Outcome) -> No
         assert completion.outcome == outcome and completion.reason == record.reason
 
     _run(body, on_exhausted=policy, retry=RetryPolicy(max_reroutes=1))
+
+
+def test_exhaustion_reason_and_counts_after_retries_failovers_and_reroutes() -> None:
+    async def body(orch: Orchestrator, ex: ScriptedExecutor, sleeps: list[float]) -> None:
+        for key in [("d0", "pcie"), ("d0", "tcp"), ("d1", "tcp")]:
+            ex.script[key] = [ChecksumMismatch("flip")] * 9
+        record = await _submit(orch, ex, 1)
+        await orch.wait(1, 5)
+        # Each path: the attempt and its one retry; d0 fails over once; one reroute to d1.
+        assert ex.calls == [("d0", "pcie")] * 2 + [("d0", "tcp")] * 2 + [("d1", "tcp")] * 2
+        assert (record.retries, record.failovers, record.reroutes) == (3, 1, 1)
+        assert sleeps == [0.1, 0.1, 0.1]
+        assert record.failure == FailureKind.TRANSPORT and record.outcome == Outcome.FAILED
+        assert record.reason == "every transport to d1 failed (flip); gave up after 1 reroute(s)"
+        failures = {"kind": FailureKind.CHECKSUM.value}
+        assert orch.metrics.value("topkv_transfer_attempt_failures_total", failures) == 6
+        assert orch.metrics.value("topkv_checksum_failures_total") == 6
+        assert orch.metrics.value("topkv_transfer_retries_total") == 3
+        assert orch.metrics.value("topkv_transfer_failovers_total") == 1
+        assert orch.metrics.value("topkv_transfer_reroutes_total") == 1
+
+    _run(body, retry=RetryPolicy(max_retries=1, max_reroutes=1))
+
+
+@pytest.mark.parametrize(
+    ("error", "kind", "outcome"),
+    [
+        (
+            AttemptFailed(FailureKind.SOURCE_LOST, "source restarted"),
+            FailureKind.SOURCE_LOST,
+            Outcome.RECOMPUTE,
+        ),
+        (RuntimeError("executor bug"), FailureKind.INTERNAL, Outcome.FAILED),
+    ],
+)
+def test_failure_no_other_destination_mends_ends_without_reroute(
+    error: BaseException, kind: FailureKind, outcome: Outcome
+) -> None:
+    async def body(orch: Orchestrator, ex: ScriptedExecutor, sleeps: list[float]) -> None:
+        ex.script["d0", "pcie"] = [error]
+        record = await _submit(orch, ex, 1)
+        await orch.wait(1, 5)
+        assert ex.calls == [("d0", "pcie")] and sleeps == []
+        assert (record.retries, record.failovers, record.reroutes) == (0, 0, 0)
+        assert record.failure == kind and record.outcome == outcome
+        assert record.reason == str(error)
+        assert orch.slots_used("d0") == orch.slots_used("d1") == 0
+
+    _run(body)
 
 
 def test_source_without_kv_is_handed_back_for_recompute() -> None:

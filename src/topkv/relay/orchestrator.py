@@ -25,7 +25,8 @@ Every terminal outcome is put on a completion queue of ``completion_queue_size``
 Split by concern: :mod:`~topkv.relay.orchestrator_config` (limits, timeouts, retries),
 :mod:`~topkv.relay.routing` (decode worker and transports) over
 :mod:`~topkv.relay.slots` (decode slots), :mod:`~topkv.relay.attempts.loop` (the attempt loop),
-:mod:`~topkv.relay.attempts.handoff` (deferred digest, verification, handoff, cleanup) and
+:mod:`~topkv.relay.attempts.handoff` (deferred digest, verification, handoff, cleanup),
+:mod:`~topkv.relay.attempts.calls` (bounded executor calls) and
 :mod:`~topkv.relay.completions` (the completion queue).
 """
 
@@ -39,6 +40,7 @@ from topkv.policy.clock import Clock, MonotonicClock
 from topkv.policy.route import RoutingPolicy
 from topkv.policy.select import CostPolicy, TransportSelector
 from topkv.policy.view import LinkLoadTracker
+from topkv.relay.attempts.calls import ExecutorCalls
 from topkv.relay.attempts.handoff import Handoff
 from topkv.relay.attempts.loop import AttemptLoop, Sleep
 from topkv.relay.completions import Completion, CompletionQueue
@@ -145,9 +147,10 @@ class Orchestrator:
             pair_view=pair_view or PairViewCache(),
             load=load,
         )
-        self._handoff = Handoff(context)
+        calls = ExecutorCalls(context)
+        self._handoff = Handoff(context, calls)
         self._attempts = AttemptLoop(
-            context, self._router, self._handoff, load, sleep or asyncio.sleep
+            context, self._router, self._handoff, calls, load, sleep or asyncio.sleep
         )
         self._in_flight = 0
         self.max_in_flight_seen = 0

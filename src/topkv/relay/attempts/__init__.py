@@ -1,2 +1,3 @@
-"""The attempt loop of one transfer (:mod:`.loop`): route, attempt, retry or fail over, and
-the hand-off that verifies and settles a landed copy (:mod:`.handoff`)."""
+"""The attempt loop of one transfer (:mod:`.loop`): route, attempt, retry, fail over or
+reroute; the handoff that verifies and settles a landed copy (:mod:`.handoff`); and the
+bounded executor calls both make (:mod:`.calls`, over :mod:`.bounded`)."""

@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable
 from topkv.policy.select import Selection
 from topkv.policy.view import LinkLoadTracker
 from topkv.relay.attempts.bounded import bounded
+from topkv.relay.attempts.calls import ExecutorCalls
 from topkv.relay.attempts.handoff import Handoff
 from topkv.relay.context import RelayContext, RelayPart
 from topkv.relay.executor import AttemptPlan, Delivery, classify_failure
@@ -28,6 +29,9 @@ log = logging.getLogger(__name__)
 
 Sleep = Callable[[float], Awaitable[None]]
 
+#: Failures no other decode worker can mend: they end the transfer without a reroute.
+_ENDS_TRANSFER = frozenset({FailureKind.SOURCE_LOST, FailureKind.INTERNAL})
+
 
 class AttemptLoop(RelayPart):
     """Runs one dispatched transfer to its end, releasing everything on every path."""
@@ -37,12 +41,14 @@ class AttemptLoop(RelayPart):
         context: RelayContext,
         router: DecodeRouter,
         handoff: Handoff,
+        calls: ExecutorCalls,
         load: LinkLoadTracker,
         sleep: Sleep,
     ) -> None:
         super().__init__(context)
         self.router = router
         self.handoff = handoff
+        self.calls = calls
         self.load = load
         self.sleep = sleep
 
@@ -65,16 +71,10 @@ class AttemptLoop(RelayPart):
             await cleanup(record, run, Outcome.FAILED, FailureKind.INTERNAL, repr(exc))
 
     async def _attempt_until_done(self, record: TransferRecord, run: TransferRun) -> None:
-        source = self.view.get(record.source)
-        if source is None:
-            raise Exhausted(FailureKind.SOURCE_LOST, f"source {record.source} left")
-        if record.source_digest is None and not record.digest_deferred:
-            record.source_digest = await self.handoff.executor_call(
-                self.executor.source_digest(source, record.request_id, record.layout),
-                FailureKind.SOURCE_LOST,
-            )
+        """Attempt ``record`` towards one decode worker after another until it is delivered;
+        raises :class:`Exhausted` when it cannot be."""
+        source = await self._source_with_digest(record)
         excluded: set[str] = set()
-        retry = self.config.retry
         request = self.router.request_for(record)
         while True:
             decision = await self.router.route(record, run, source, request, excluded)
@@ -86,60 +86,93 @@ class AttemptLoop(RelayPart):
             record.destination = decision.worker_id
             record.policy = decision.selection.policy
             record.rationale = f"{decision.rationale}; {decision.selection.rationale}"
-            transports = list(decision.selection.ranked_transports)
-            index, retries_here = 0, 0
-            rerouting = False
-            while not rerouting:
-                transport = transports[index]
-                record.transport = transport
-                run.destination_left = not self.view.alive(destination.worker_id)
-                self.transfers.move(record, TransferState.RUNNING)
-                failure, detail = await self._one_attempt(
-                    record, run, source, destination, transport, decision.selection
-                )
-                if failure is None:
-                    return
-                kind = failure
-                self.metrics.attempt_failures.labels(kind.value).inc()
-                if kind == FailureKind.CHECKSUM:
-                    self.metrics.checksum_failures.inc()
-                if kind in (FailureKind.TRANSPORT, FailureKind.CANCELLED):
-                    alive = await self.handoff.destination_alive(destination, run)
-                    if not alive:
-                        kind = FailureKind.DESTINATION_DIED
-                    elif kind == FailureKind.CANCELLED:
-                        kind = FailureKind.TRANSPORT
-                if kind == FailureKind.SOURCE_LOST:
-                    raise Exhausted(kind, detail)
-                if kind == FailureKind.INTERNAL:
-                    raise Exhausted(kind, detail)
-                if kind in (FailureKind.CHECKSUM, FailureKind.TIMEOUT):
-                    if retries_here < retry.max_retries:
-                        retries_here += 1
-                        record.retries += 1
-                        self.metrics.retries.inc()
-                        self.transfers.move(record, TransferState.PLANNED)
-                        await self.sleep(retry.delay(retries_here))
-                        continue
-                    kind = FailureKind.TRANSPORT  # this path keeps failing: next transport
-                if kind == FailureKind.TRANSPORT:
-                    if index + 1 < len(transports):
-                        index += 1
-                        retries_here = 0
-                        record.failovers += 1
-                        self.metrics.failovers.inc()
-                        self.transfers.move(record, TransferState.PLANNED)
-                        continue
-                    detail = f"every transport to {destination.worker_id} failed ({detail})"
-                # destination died, or nothing works towards it: another decode worker
+            given_up = await self._attempt_destination(
+                record, run, source, destination, decision.selection
+            )
+            if given_up is None:
+                return
+            kind, reason = given_up
+            if kind not in _ENDS_TRANSFER:  # destination died, or nothing works towards it
                 excluded.add(destination.worker_id)
                 self.slots.release(run)
-                if record.reroutes >= retry.max_reroutes:
-                    raise Exhausted(kind, f"{detail}; gave up after {record.reroutes} reroute(s)")
-                record.reroutes += 1
-                self.metrics.reroutes.inc()
-                self.transfers.move(record, TransferState.PLANNED)
-                rerouting = True
+                if record.reroutes < self.config.retry.max_reroutes:
+                    record.reroutes += 1
+                    self.metrics.reroutes.inc()
+                    self.transfers.move(record, TransferState.PLANNED)
+                    continue  # to another decode worker
+                reason = f"{reason}; gave up after {record.reroutes} reroute(s)"
+            raise Exhausted(kind, reason)
+
+    async def _source_with_digest(self, record: TransferRecord) -> WorkerInfo:
+        """The transfer's source, with its digest fetched unless deferred to the handoff."""
+        source = self.view.get(record.source)
+        if source is None:
+            raise Exhausted(FailureKind.SOURCE_LOST, f"source {record.source} left")
+        if record.source_digest is None and not record.digest_deferred:
+            record.source_digest = await self.calls.source_digest(record, source)
+        return source
+
+    async def _attempt_destination(
+        self,
+        record: TransferRecord,
+        run: TransferRun,
+        source: WorkerInfo,
+        destination: WorkerInfo,
+        selection: Selection,
+    ) -> tuple[FailureKind, str] | None:
+        """Attempt ``record`` towards ``destination``: retry a path that corrupts or stalls,
+        fail over to the next ranked transport. Returns why it gave up (None: delivered)."""
+        retry = self.config.retry
+        transports = list(selection.ranked_transports)
+        index, retries_here = 0, 0
+        while True:
+            transport = transports[index]
+            record.transport = transport
+            run.destination_left = not self.view.alive(destination.worker_id)
+            self.transfers.move(record, TransferState.RUNNING)
+            failure, detail = await self._one_attempt(
+                record, run, source, destination, transport, selection
+            )
+            if failure is None:
+                return None
+            kind = await self._failure_kind(failure, destination, run)
+            if kind in (FailureKind.CHECKSUM, FailureKind.TIMEOUT):
+                if retries_here < retry.max_retries:
+                    retries_here += 1
+                    record.retries += 1
+                    self.metrics.retries.inc()
+                    self.transfers.move(record, TransferState.PLANNED)
+                    await self.sleep(retry.delay(retries_here))
+                    continue
+                kind = FailureKind.TRANSPORT  # this path keeps failing: next transport
+            if kind != FailureKind.TRANSPORT:
+                return kind, detail
+            if index + 1 == len(transports):
+                return kind, f"every transport to {destination.worker_id} failed ({detail})"
+            index += 1
+            retries_here = 0
+            record.failovers += 1
+            self.metrics.failovers.inc()
+            self.transfers.move(record, TransferState.PLANNED)
+
+    async def _failure_kind(
+        self, failure: FailureKind, destination: WorkerInfo, run: TransferRun
+    ) -> FailureKind:
+        """Count a failed attempt. A transport failure or cancellation becomes destination
+        died when the destination is gone (registry or probe), else a transport failure."""
+        self.metrics.attempt_failures.labels(failure.value).inc()
+        if failure == FailureKind.CHECKSUM:
+            self.metrics.checksum_failures.inc()
+        if failure not in (FailureKind.TRANSPORT, FailureKind.CANCELLED):
+            return failure
+        if not await self._destination_alive(destination, run):
+            return FailureKind.DESTINATION_DIED
+        return FailureKind.TRANSPORT
+
+    async def _destination_alive(self, destination: WorkerInfo, run: TransferRun) -> bool:
+        if run.destination_left or not self.view.alive(destination.worker_id):
+            return False
+        return await self.calls.probe(destination)
 
     async def _one_attempt(
         self,
@@ -159,7 +192,7 @@ class AttemptLoop(RelayPart):
             layout=record.layout,
             source=source,
             destination=destination,
-            transport=transport,
+            path_class=transport,
             attempt=number,
             timeout_s=self.config.attempt_timeout_s,
         )
