@@ -234,6 +234,21 @@ def test_k_on_device_rest_demoted_then_promoted(tmp_path: Path) -> None:
     tiers.close()
 
 
+def test_a_decoded_kv_gives_its_device_slot_to_a_prefetch(tmp_path: Path) -> None:
+    tiers = _tiers(tmp_path, 1)
+    a, b = _kv(0), _kv(1)
+    tiers.admit(a)
+    tiers.admit(b)
+    assert tiers.on_device() == [0] and tiers.tier_of(1) == "host"
+    ticket = tiers.begin_decode(a, 4)
+    ticket.wait()
+    tiers.end_decode(ticket, 0.01, 4)  # decoded, not released yet: b is prefetched
+    tiers.begin_decode(b, 4).wait()
+    assert tiers.counters["prefetches"] == 1 and tiers.counters["demotions"] == 1
+    assert tiers.on_device() == [1] and tiers.tier_of(0) == DEVICE and a.layers
+    tiers.close()
+
+
 def test_disk_full_fails_over_to_the_next_tier(tmp_path: Path) -> None:
     fast_dir, slow_dir = tmp_path / "nvme", tmp_path / "sata"
     fast_dir.mkdir()

@@ -27,9 +27,9 @@ from topkv.service.messages import PrefillRequest
 from topkv.service.orchestrator.executor import RemoteExecutor
 from topkv.service.tiers.config import TierConfig
 from topkv.service.tiers.tiered import open_tiered_kv
+from topkv.service.worker import tiers as worker_tiers
 from topkv.service.worker.registrar import DirectRegistrar
 from topkv.service.worker.service import WorkerConfig, WorkerService
-from topkv.service.worker import tiers as worker_tiers
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")

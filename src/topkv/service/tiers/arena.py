@@ -1,11 +1,6 @@
-"""A bounded, pre-faulted memory arena for a KV tier, optionally bound to one NUMA node.
-
-One anonymous ``mmap`` of the tier's capacity, bound with ``mbind(MPOL_BIND)`` to a NUMA
-node when one is named (a CPU-less node is how CXL memory appears), then touched page by
-page so every later copy runs at memory speed, not page-fault speed. Allocations are
-first-fit in 4 KiB units (the engine media's allocator,
-:class:`topkv.transport.arena.protocol.Arena`). :attr:`Arena.placement` says where the memory really
-is: ``"numa node 2 (mbind)"``, or why it could not be bound.
+"""A bounded, pre-faulted memory arena for a KV tier, optionally bound to one NUMA node
+(``mbind``; a CPU-less node is how CXL memory appears), allocated first-fit in 4 KiB units;
+:attr:`Arena.placement` says where the memory really is. Design: ``docs/tiers.md``.
 """
 
 from __future__ import annotations
@@ -65,8 +60,8 @@ def mbind(buffer: mmap.mmap, node: int) -> str:
 
 
 class BlockAccounting:
-    """Blocks of ``unit``-rounded sizes over ``capacity`` bytes, first fit (the engine
-    media's allocator), and the bytes handed out: the host arena and the device tier's torch
+    """Blocks of ``unit``-rounded sizes over ``capacity`` bytes, first fit (the arena
+    transports' allocator), and the bytes handed out: the host arena and the device tier's torch
     arena both count through it. ``full`` is the error a request that finds no free run
     raises, ``what`` names the arena in it."""
 

@@ -1,23 +1,7 @@
-"""The device tier of a worker's KV tiers: GPU memory where torch sees a GPU, else a host
-stand-in, labelled so.
-
-:func:`open_device_tier` chooses (``TierConfig.device_tier``, ``--device-tier``):
-
-* ``auto``: :class:`TorchDeviceTier` on the current CUDA device when torch is installed and
-  ``torch.cuda.is_available()``; otherwise :class:`HostStandIn`, with the reason;
-* ``gpu``: the GPU tier, refused at start (with why) where there is none;
-* ``host-stand-in``: always the stand-in.
-
-:class:`HostStandIn` is the device tier as it was before a GPU one existed: a KV on the
-device stays in the host buffers it arrived in (what the engines decode from), at most K of
-them. :class:`TorchDeviceTier` holds each device-resident KV in one block of a
-:class:`~topkv.service.tiers.torch_arena.TorchArena` of ``device_bytes`` (one preallocated
-``torch.uint8`` tensor per worker): :meth:`~TorchDeviceTier.hold` copies the host buffers
-in and releases them; :meth:`~TorchDeviceTier.load` copies the KV back to host buffers for
-the engine (the engines decode from host buffers and move them to their device
-themselves), every tensor's CRC-64 checked on the way, like the disk tier's read back;
-:meth:`~TorchDeviceTier.unload` drops that host copy again. The same class runs on
-``torch.device("cpu")`` (tests), labelled a stand-in there.
+"""The device tier of a worker's KV tiers: GPU memory where torch sees a GPU
+(:class:`TorchDeviceTier`, over a :class:`~topkv.service.tiers.torch_arena.TorchArena`),
+else host memory standing in for it (:class:`HostStandIn`), labelled so;
+:func:`open_device_tier` chooses (``--device-tier``). Design: ``docs/tiers.md``.
 """
 
 from __future__ import annotations

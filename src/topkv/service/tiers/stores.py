@@ -1,20 +1,8 @@
-"""Where a demoted KV cache's bytes go: a memory tier (host DRAM, CXL) or a disk tier.
-
-Both are synchronous and thread-safe; :mod:`topkv.service.tiers.tiered` calls them off the
-event loop. ``write`` copies every tensor of a KV out of the caller's buffers, ``read``
-copies them back into fresh buffers (the device tier's memory) and ``drop`` frees the copy.
-
-* :class:`MemoryTierStore` keeps each KV in one block of an :class:`~topkv.service.
-  tier_arena.Arena`. An emulated tier (CXL where the host has no CPU-less NUMA node) paces
-  every copy like :mod:`topkv.transport.emulated` paces a link: a copy is booked the tier's
-  next free slot of ``dilation * (latency + bytes / bandwidth)`` and returns no earlier than
-  its end; a copy slower than that (memcpy below the modelled bandwidth) takes its own time.
-* :class:`DiskTierStore` writes one file per KV in its directory: the wire format's
-  per-layer frames (:func:`topkv.wire.encode_layer_frame`, each with its CRC-64 in the
-  header), each padded to 4 KiB, through ``O_DIRECT`` from an aligned staging buffer where
-  the filesystem allows it (tmpfs does not: it then writes through the page cache and
-  ``direct_io`` says so). Every read back decodes each frame, which checks its CRC-64: a
-  corrupted, truncated or deleted file is a :class:`TierKVLost`, never wrong bytes.
+"""Where a demoted KV cache's bytes go: a memory tier (host DRAM, CXL, emulated CXL) in a
+bounded arena (:class:`MemoryTierStore`), or a disk tier of one file of per-layer wire
+frames per KV (:class:`DiskTierStore`). Both are synchronous and thread-safe: ``write``
+copies a KV's tensors in, ``read`` copies them back (a lost or corrupted copy is a
+:class:`TierKVLost`, never wrong bytes), ``drop`` frees them. Design: ``docs/tiers.md``.
 """
 
 from __future__ import annotations

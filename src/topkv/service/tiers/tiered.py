@@ -1,34 +1,15 @@
 """A decode worker's KV tiers in use: at most K caches on the device, the rest demoted.
 
-:class:`TieredKV` watches the worker's :class:`~topkv.service.kvstore.KVStore`:
-
-* :meth:`admit` (a verified copy arrived): the KV starts on the device; while more than K
-  are there, the least soon needed movable one (:func:`topkv.policy.tiers.choose_victims`,
-  judged by the decode queue) is written to the fastest lower tier with room
-  (:func:`~topkv.policy.tiers.place`; disk only where :func:`~topkv.policy.tiers.
-  admit_to_disk` allows). A tier that is full or fails the write is skipped and the next
-  one tried; every failure is counted and named. The device copy is freed only once the
-  lower copy is whole, so a failed write loses nothing. When no tier takes it, the
-  arrival is refused (:class:`~topkv.service.kvstore.CapacityExceeded`: the orchestrator
-  reroutes or recomputes).
-* :meth:`begin_decode` pins the KV and, if it is not on the device, starts its promotion;
-  :meth:`DecodeTicket.wait` (on the engine's thread, when the engine takes the decode)
-  blocks until it is back: that wait is the *exposed* promotion time.
-* :meth:`end_decode` unpins it and prefetches (:func:`~topkv.policy.tiers.prefetch_order`)
-  the demoted caches needed next into free device slots, so their decode need not wait.
-
-Where a device-resident KV's bytes are is the device tier's (:mod:`topkv.service.
-tier_device`): in the host buffers it arrived in (the stand-in), or in GPU memory, copied
-back to host buffers for the engine when its decode starts (part of the exposed time) and
-dropped from host memory after. Every move runs on the tier I/O threads (never the event
-loop), one at a time per request.
-Each request's trail (the tiers its KV visited, promotion and exposed promotion time) is
-what ``POST /v1/kv/{id}/decode`` reports.
+:class:`TieredKV` follows each received KV through the tiers: it demotes the least soon
+needed one when more than K are on the device, promotes (and prefetches) a demoted one when
+its decode comes, and keeps each request's :class:`TierTrail` for the decode answer. How
+and why: ``docs/tiers.md`` ("On the worker").
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
 import functools
 import logging
 import threading
@@ -70,17 +51,66 @@ class TierTrail:
     failures: list[str] = field(default_factory=list)
 
 
+class _Phase(enum.Enum):
+    """Where a request's KV stands in the tiers (``_Entry.tier`` names the tier its bytes are
+    in); it changes only through the ``_Entry`` methods below."""
+
+    RESIDENT = "resident"  # on the device
+    DEMOTING = "demoting"  # chosen as a victim: its write to a lower tier is under way
+    DEMOTED = "demoted"  # in a lower tier
+    PROMOTING = "promoting"  # a promotion is scheduled: it holds its device slot already
+    RELEASED = "released"  # decoded (or its device copy lost): released next, holds no slot
+
+    @property
+    def holds_device_slot(self) -> bool:
+        return self in (_Phase.RESIDENT, _Phase.DEMOTING, _Phase.PROMOTING)
+
+
 @dataclass
 class _Entry:
+    """A request's KV in the tiers (changed under ``TieredKV._lock``)."""
+
     kv: HeldKV
     tier: str = DEVICE
-    pinned: bool = False  # the engine is decoding it
-    moving: bool = False  # chosen as a victim, its demotion under way
-    done: bool = False  # decoded, about to be released: holds no device slot
-    incoming: bool = False  # a promotion is scheduled: it holds its device slot already
-    lost: str | None = None  # why its lower-tier copy cannot be read back
+    phase: _Phase = _Phase.RESIDENT
+    pinned: bool = False  # the engine is decoding it (in any phase): it never moves
+    lost: str | None = None  # why its copy cannot be read back
     last_use_s: float = 0.0
-    busy: Future[None] | None = None
+    busy: Future[None] | None = None  # its last move (one at a time per request)
+
+    @property
+    def idle(self) -> bool:
+        """No move of it is queued or running."""
+        return self.busy is None or self.busy.done()
+
+    def start_demotion(self) -> None:
+        self.phase = _Phase.DEMOTING
+
+    def demoted_to(self, tier: str) -> None:
+        """Its copy in ``tier`` is whole; the device copy is freed."""
+        self.tier = tier
+        self.phase = _Phase.DEMOTED
+
+    def end_demotion(self) -> None:
+        """The demotion is over: written nowhere, it stays on the device."""
+        if self.phase is _Phase.DEMOTING:
+            self.phase = _Phase.RESIDENT
+
+    def start_promotion(self) -> None:
+        self.phase = _Phase.PROMOTING
+
+    def promoted(self) -> None:
+        """Read back onto the device (still ``PROMOTING`` until :meth:`end_promotion`)."""
+        self.tier = DEVICE
+
+    def end_promotion(self) -> None:
+        """The promotion is over: on the device, or still demoted (its copy was lost)."""
+        if self.phase is _Phase.PROMOTING:
+            self.phase = _Phase.RESIDENT if self.tier == DEVICE else _Phase.DEMOTED
+
+    def release(self) -> None:
+        """Decoded (or its device copy lost): it gives up its device slot."""
+        self.phase = _Phase.RELEASED
 
 
 @dataclass
@@ -162,12 +192,10 @@ class TieredKV:
 
     def _device_ids(self) -> list[int]:
         """Requests holding a device slot (a decoded one about to be released holds none)."""
-        return [
-            r for r, e in self._entries.items() if (e.tier == DEVICE and not e.done) or e.incoming
-        ]
+        return [r for r, e in self._entries.items() if e.phase.holds_device_slot]
 
     def _resident(self, rid: int, e: _Entry) -> Resident:
-        moving = e.moving or (e.busy is not None and not e.busy.done())
+        moving = e.phase is _Phase.DEMOTING or not e.idle
         return Resident(rid, e.tier, e.kv.layout.total_bytes, e.last_use_s, e.pinned or moving)
 
     def on_device(self) -> list[int]:
@@ -204,7 +232,7 @@ class TieredKV:
         except TierKVLost as exc:
             self._record_lost(rid, e, DEVICE, exc)
             with self._lock:
-                e.done = True  # holds no device slot; its decode fails (recompute)
+                e.release()  # its decode fails (recompute)
             self.device_tier.drop(rid)
             return True
         with self._lock:
@@ -244,7 +272,7 @@ class TieredKV:
                 release()
             self.device_tier.drop(rid)
             with self._lock:
-                e.tier = target.name
+                e.demoted_to(target.name)
                 self.counters["demotions"] += 1
                 key = (DEVICE, target.name)
                 self.bytes_moved[key] = self.bytes_moved.get(key, 0) + nbytes
@@ -262,11 +290,11 @@ class TieredKV:
                 self._promote_held(rid, e, prefetch=prefetch, asked_s=asked_s)
         finally:
             with self._lock:
-                e.incoming = False
+                e.end_promotion()
 
     def _promote_held(self, rid: int, e: _Entry, *, prefetch: bool, asked_s: float) -> None:
-        """Promote ``e`` (its device slot is already counted: ``incoming``)."""
-        if not self._evict_until_fits(extra=0):
+        """Promote ``e`` (its device slot is already counted: ``PROMOTING``)."""
+        if not self._demote_to_capacity():
             with self._lock:
                 self.counters["over_capacity"] += 1
         tier = e.tier
@@ -285,7 +313,7 @@ class TieredKV:
         store.drop(rid)
         self._make_room(kv)
         with self._lock:
-            e.tier = DEVICE
+            e.promoted()
             self.counters["promotions"] += 1
             self.counters["prefetches"] += int(prefetch)
             key = (tier, DEVICE)
@@ -307,7 +335,7 @@ class TieredKV:
     def _hold(self, rid: int, e: _Entry) -> None:
         """Move a device-resident KV's host bytes into the device tier's own memory (a GPU
         arena; nothing for the stand-in); a full arena keeps them in host memory, counted."""
-        if e.tier != DEVICE or e.done or e.lost is not None:
+        if e.tier != DEVICE or e.phase is _Phase.RELEASED or e.lost is not None:
             return
         nbytes = e.kv.layout.total_bytes
         started = time.perf_counter()
@@ -343,59 +371,50 @@ class TieredKV:
             )
         return copied
 
-    def _make_room(self, kv: HeldKV) -> None:
-        """Demote device residents until the device tier's memory has room for ``kv`` (a
-        GPU arena is bounded in bytes as well as in K caches); stops when none can move
-        (``kv`` then stays in host memory, counted by :meth:`_hold`)."""
-        rid = kv.request_id
-        while not self.device_tier.fits(kv):
-            with self._lock:
-                e = self._entries.get(rid)
-                if e is None or (e.tier != DEVICE and not e.incoming):
-                    return  # it left the device itself
-                ones = [
-                    Resident(r.request_id, r.tier, 1, r.last_use_s, r.pinned)
-                    for r in (
-                        self._resident(x, self._entries[x])
-                        for x in self._device_ids()
-                        if x == rid or self.device_tier.holds(x)
-                    )
-                ]
-                victims = choose_victims(ones, self._needed_in(), 1, 0)
-                if not victims:
-                    return
-                entry = self._entries[victims[0].request_id]
-                entry.moving = True
-            try:
-                ok = self._demote(victims[0].request_id, entry)
-            finally:
-                entry.moving = False
-            if not ok:
-                return
+    def _demote_to_capacity(self) -> bool:
+        """Demote until the device holds at most K; False when one cannot be demoted."""
+        return self._demote_until(lambda: len(self._device_ids()) <= self.capacity)
 
-    def _evict_until_fits(self, *, extra: int) -> bool:
-        """Demote least-soon-needed device residents, one at a time, until the device holds
-        at most K with ``extra`` more; False when one cannot be demoted (nothing movable, or
-        no lower tier takes it)."""
+    def _make_room(self, kv: HeldKV) -> None:
+        """Demote residents of the device tier's memory until it has room for ``kv`` (a GPU
+        arena is bounded in bytes as well as in K caches); stops when none can move (``kv``
+        then stays in host memory, counted by :meth:`_hold`) or ``kv`` left the device."""
+        rid = kv.request_id
+
+        def has_room() -> bool:
+            e = self._entries.get(rid)
+            left = e is None or (e.tier != DEVICE and e.phase is not _Phase.PROMOTING)
+            return left or self.device_tier.fits(kv)
+
+        self._demote_until(has_room, among=lambda r: r == rid or self.device_tier.holds(r))
+
+    def _demote_until(
+        self, has_room: Callable[[], bool], among: Callable[[int], bool] = lambda _: True
+    ) -> bool:
+        """Demote the least soon needed device residents that ``among`` admits, one at a
+        time, until ``has_room()`` (asked under the lock); False when one cannot be demoted
+        (none is movable, or no lower tier takes it)."""
         while True:
             with self._lock:
-                device = self._device_ids()
-                if len(device) + extra <= self.capacity:
+                if has_room():
                     return True
                 ones = [
                     Resident(r.request_id, r.tier, 1, r.last_use_s, r.pinned)
-                    for r in (self._resident(r, self._entries[r]) for r in device)
+                    for r in (
+                        self._resident(x, self._entries[x]) for x in self._device_ids() if among(x)
+                    )
                 ]
                 victims = choose_victims(ones, self._needed_in(), 1, 0)
                 if not victims:
                     return False
                 rid = victims[0].request_id
                 entry = self._entries[rid]
-                entry.moving = True
+                entry.start_demotion()
             try:
                 ok = self._demote(rid, entry)
             finally:
-                entry.moving = False
+                with self._lock:
+                    entry.end_demotion()
             if not ok:
                 return False
 
@@ -411,7 +430,7 @@ class TieredKV:
             self._entries[rid] = _Entry(kv, last_use_s=time.monotonic())
             self.trails[rid] = TierTrail()
             self._queue.append(rid)
-        if self._evict_until_fits(extra=0):
+        if self._demote_to_capacity():
             self._make_room(kv)
             with self._lock:
                 e = self._entries[rid]
@@ -459,13 +478,14 @@ class TieredKV:
             if rid in self._requested:
                 self._requested.remove(rid)
             self._running[rid] = tokens
-            if e.tier == DEVICE and (e.busy is None or e.busy.done()):
+            if e.tier == DEVICE and e.idle:
                 return None
-            if e.incoming and e.busy is not None and not e.busy.done():
+            if e.phase is _Phase.PROMOTING and e.busy is not None and not e.idle:
                 # a prefetch is bringing it back: wait for that one itself, not for a job
                 # queued behind it on the I/O threads
                 return _when_back(e.busy, e)
-            e.incoming = e.tier != DEVICE or e.incoming
+            if e.tier != DEVICE:
+                e.start_promotion()
             promote = functools.partial(
                 self._promote, rid, e, prefetch=False, asked_s=time.perf_counter()
             )
@@ -479,7 +499,8 @@ class TieredKV:
                 self._requested.remove(ticket.request_id)
             if e is not None:
                 e.pinned = False
-                e.done = e.tier == DEVICE  # released next; its slot goes to a prefetch
+                if e.tier == DEVICE:
+                    e.release()  # released next; its slot goes to a prefetch
                 e.last_use_s = time.monotonic()
                 if self.device_tier.holds(ticket.request_id):  # drop the engine's host copy
                     self._chain(e, functools.partial(self.device_tier.unload, e.kv))
@@ -497,7 +518,7 @@ class TieredKV:
             demoted = [
                 self._resident(r, e)
                 for r, e in self._entries.items()
-                if e.tier != DEVICE and e.lost is None and (e.busy is None or e.busy.done())
+                if e.phase is _Phase.DEMOTED and e.lost is None and e.idle
             ]
             # Free slots take the soonest needed; a swap only what is due within the lookahead.
             soonest = sorted(
@@ -519,7 +540,7 @@ class TieredKV:
                 chosen.append(r)
             for r in chosen:
                 entry = self._entries[r.request_id]
-                entry.incoming = True
+                entry.start_promotion()
                 asked = time.perf_counter()
                 self._chain(
                     entry, functools.partial(self._promote_quietly, r.request_id, entry, asked)

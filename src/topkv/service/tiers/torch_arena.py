@@ -1,24 +1,7 @@
-"""A bounded KV arena in one preallocated ``torch.uint8`` tensor on a torch device.
-
-On a CUDA device this is the device tier's GPU memory; the same class runs on
-``torch.device("cpu")``, which is how it is tested where no GPU is. torch is imported
-lazily (it is the ``model`` extra), never at module import.
-
-* :class:`TorchArena` preallocates ``capacity`` bytes (rounded up to 4 KiB) after checking
-  them against what the device has free (:func:`device_free_bytes`: torch's
-  ``cuda.mem_get_info``, or the host's available memory for the CPU), refused with both
-  numbers. Blocks are first-fit in 4 KiB units (the engine media's allocator).
-* :meth:`TorchArena.put` copies byte segments (a KV's tensors, straight from the frames'
-  bytes) into a block through two staging buffers (pinned host memory on CUDA): the
-  caller's thread fills one while the other's ``non_blocking`` copy runs on the arena's own
-  CUDA stream, each buffer reused only once its copy's event has completed.
-* :meth:`TorchArena.get` copies a block back the same way (device to staging, then into the
-  caller's host buffer) and checks every segment's CRC-64 against the one the KV arrived
-  with, over the bytes delivered: a corrupted byte is a :class:`CorruptCopy`, never
-  returned.
-
-Every call blocks its thread for its copies (torch and numpy release the GIL for them):
-callers run it off the event loop, like the other tier stores.
+"""A bounded KV arena in one preallocated ``torch.uint8`` tensor on a torch device: the
+device tier's GPU memory on CUDA, tested on ``torch.device("cpu")``. Copies go through two
+staging buffers, every segment's CRC-64 checked on the way out; each call blocks its thread
+(callers run it off the event loop). torch is imported lazily. Design: ``docs/tiers.md``.
 """
 
 from __future__ import annotations
