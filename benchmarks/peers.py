@@ -1,4 +1,4 @@
-"""TopKV's transports against the engines people would otherwise use, in one run.
+"""TopKV's transports against the transfer libraries people would otherwise use, in one run.
 
     .venv/bin/python benchmarks/peers.py [--size 256MiB] [--repeat 5] [--json]
 
@@ -16,7 +16,7 @@ every interface for their data ports). Measured in the same run:
   TCP with ``UCX_TLS=tcp``), and one Mooncake TE ``transfer_sync_write`` over TCP (P2P
   handshake). No checksums on the peers' side; the target's CRC-64 is compared once after
   the timed runs to prove the bytes arrived;
-* for reference, the same engines behind TopKV's contract (``nixl``/``mooncake``
+* for reference, the same libraries behind TopKV's contract (the ``nixl``/``mooncake`` arena
   transports: per-layer writes plus CRC-64 verification).
 
 Ratios printed: TopKV tcp vs each peer's TCP path; TopKV shm vs NIXL's best same-host path.
@@ -60,17 +60,17 @@ def _parse_size(text: str) -> int:
     return int(upper)
 
 
-# -- raw engine peers (their own APIs, one whole-buffer write per transfer) ---------------
+# -- raw peers (the libraries' own APIs, one whole-buffer write per transfer) -------------
 
 
-def _target(engine: str, size: int) -> None:
+def _target(peer: str, size: int) -> None:
     """Register a buffer, print how to reach it, then report its CRC-64 when asked."""
     from topkv import wire
 
     buffer = np.ones(size, dtype=np.uint8)  # faulted in, like a preallocated KV pool
     address = int(buffer.ctypes.data)
     keep: Any
-    if engine.startswith("nixl"):
+    if peer.startswith("nixl"):
         from nixl_cu12 import nixl_agent, nixl_agent_config
 
         keep = nixl_agent(f"peers-target-{os.getpid()}", nixl_agent_config(backends=["UCX"]))
@@ -90,14 +90,14 @@ def _target(engine: str, size: int) -> None:
     print(f"CRC {wire.crc64(buffer)}", flush=True)
 
 
-def _initiator(engine: str, size: int, repeat: int, meta: dict[str, Any]) -> None:
+def _initiator(peer: str, size: int, repeat: int, meta: dict[str, Any]) -> None:
     """Write the whole buffer ``repeat + 1`` times (first is warm-up); print timings."""
     from topkv import wire
 
     data = np.random.default_rng(7).integers(0, 256, size, dtype=np.uint8)
     address = int(data.ctypes.data)
     times: list[float] = []
-    if engine.startswith("nixl"):
+    if peer.startswith("nixl"):
         from nixl_cu12 import nixl_agent, nixl_agent_config
 
         agent = nixl_agent(f"peers-init-{os.getpid()}", nixl_agent_config(backends=["UCX"]))
@@ -144,14 +144,14 @@ def _line(proc: subprocess.Popen[str], prefix: str) -> str:
     raise RuntimeError(f"peer exited ({proc.wait()}) without printing {prefix!r}")
 
 
-def run_raw_peer(engine: str, size: int, repeat: int) -> dict[str, Any]:
+def run_raw_peer(peer: str, size: int, repeat: int) -> dict[str, Any]:
     env = dict(os.environ, NIXL_LOG_LEVEL="WARN", GLOG_minloglevel="2")
-    if engine == "nixl-ucx-tcp":
+    if peer == "nixl-ucx-tcp":
         env["UCX_TLS"] = "tcp"
     me = [sys.executable, __file__]
     common: dict[str, Any] = {"env": env, "stdout": subprocess.PIPE, "text": True}
     target = subprocess.Popen(
-        [*me, "--role", "target", "--engine", engine, "--size", str(size)],
+        [*me, "--role", "target", "--engine", peer, "--size", str(size)],
         stdin=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         **common,
@@ -164,7 +164,7 @@ def run_raw_peer(engine: str, size: int, repeat: int) -> dict[str, Any]:
                 "--role",
                 "initiator",
                 "--engine",
-                engine,
+                peer,
                 "--size",
                 str(size),
                 "--repeat",
@@ -185,7 +185,7 @@ def run_raw_peer(engine: str, size: int, repeat: int) -> dict[str, Any]:
         target.kill()
         target.wait(10)
     if landed != record["crc"]:
-        raise RuntimeError(f"{engine}: bytes at the target differ from the source")
+        raise RuntimeError(f"{peer}: bytes at the target differ from the source")
     seconds = statistics.median(record["seconds"])
     result = {"gbps": size / seconds / 1e9, "checksum": "compared after the run"}
     if "backend" in record:
@@ -203,12 +203,12 @@ def run_topkv(transport: str, size: int, repeat: int) -> dict[str, Any]:
     return {"gbps": report["gbps"], "limit_gbps": report["limit_gbps"], "checksum": "verified"}
 
 
-def run_topkv_over_engine(
+def run_topkv_over_arena(
     transport: str, size: int, repeat: int, options: dict[str, Any]
 ) -> dict[str, Any]:
-    from topkv.harness.engine_bench import run_engine_benchmark
+    from topkv.harness.arena_bench import run_arena_benchmark
 
-    report = run_engine_benchmark(transport, size, repeat, options)
+    report = run_arena_benchmark(transport, size, repeat, options)
     return {"gbps": report["gbps"], "checksum": report["checksum"]}
 
 
@@ -221,15 +221,15 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--role", choices=["driver", "target", "initiator"], default="driver")
-    parser.add_argument("--engine", default="")
+    parser.add_argument("--engine", dest="peer", default="", help="raw peer row (internal)")
     parser.add_argument("--meta", default="{}")
     args = parser.parse_args()
     size = _parse_size(args.size)
     if args.role == "target":
-        _target(args.engine, size)
+        _target(args.peer, size)
         return
     if args.role == "initiator":
-        _initiator(args.engine, size, args.repeat, json.loads(args.meta))
+        _initiator(args.peer, size, args.repeat, json.loads(args.meta))
         return
     _in_private_netns()
     sys.path.insert(0, str(ROOT / "src"))
@@ -253,7 +253,7 @@ def main() -> None:
             rows[row] = {"skipped": reason}
             continue
         rows[row] = run_raw_peer(row, size, args.repeat)
-        rows[f"topkv-over-{row}"] = run_topkv_over_engine(package, size, args.repeat, options)
+        rows[f"topkv-over-{row}"] = run_topkv_over_arena(package, size, args.repeat, options)
 
     def gbps(name: str) -> float | None:
         return rows.get(name, {}).get("gbps")

@@ -1,4 +1,4 @@
-"""CUDA transport (PyTorch peer copies, CUDA IPC, pinned staging) and shared engine pieces.
+"""CUDA transport (PyTorch peer copies, CUDA IPC, pinned staging) and shared arena pieces.
 
 The GPU cases need a CUDA build of torch and at least one GPU; without one they skip with
 the reason. The arena allocator and the IPC-handle decoder run everywhere.
@@ -13,7 +13,7 @@ import pytest
 
 from topkv.harness.peers import expected_digest, kv_digest, spawn_sender, spawn_sink
 from topkv.transport.arena.factory import missing_package
-from topkv.transport.arena.protocol import ARENA_ALIGN, Arena, parse_engine_address
+from topkv.transport.arena.protocol import ARENA_ALIGN, Arena, parse_arena_address
 from topkv.transport.base import KVLayout, TransferDescriptor
 from topkv.transport.errors import FrameRejected, ResourceExhausted, TransportError
 
@@ -60,13 +60,13 @@ def test_arena_refuses_oversize_and_times_out_when_full() -> None:
 @pytest.mark.parametrize(
     "address", ["tcp://127.0.0.1:5", "cuda://127.0.0.1", "cuda://127.0.0.1:port"]
 )
-def test_bad_engine_addresses_are_refused(address: str) -> None:
+def test_bad_arena_addresses_are_refused(address: str) -> None:
     with pytest.raises(TransportError, match="address"):
-        parse_engine_address(address, "cuda")
+        parse_arena_address(address, "cuda")
 
 
-def test_engine_addresses_parse() -> None:
-    assert parse_engine_address("cuda://[::1]:4000", "cuda") == ("::1", 4000)
+def test_arena_addresses_parse() -> None:
+    assert parse_arena_address("cuda://[::1]:4000", "cuda") == ("::1", 4000)
 
 
 def test_ipc_handle_decoder_refuses_anything_but_a_cuda_tensor_rebuild() -> None:

@@ -126,7 +126,7 @@ def test_streamed_layers_get_their_own_slot_after_they_are_ready() -> None:
     for layer, slot in out.slots.items():
         assert out.handed_to_medium[layer] >= slot.end, f"layer {layer} left the link early"
     assert result.emulated and result.dilation == 2.0
-    assert result.transport == "emulated-rdma" and result.mode == TransportMode.RDMA
+    assert result.medium == "emulated-rdma" and result.mode == TransportMode.RDMA
     assert result.wall_seconds == 1000.0 and result.seconds == pytest.approx(500.0)
 
 

@@ -52,16 +52,16 @@ def register(app: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
     ) -> None:
         """Send a KV cache from this process to a spawned receiver; compare to the limit."""
-        from topkv.harness.engine_bench import run_engine_benchmark
+        from topkv.harness.arena_bench import run_arena_benchmark
         from topkv.harness.transfer_bench import (
             BenchConfig,
             crc_overhead_report,
             run_transfer_benchmark,
         )
-        from topkv.transport.arena.factory import ENGINE_TRANSPORTS
+        from topkv.transport.arena.factory import ARENA_TRANSPORTS
 
-        if transport in ENGINE_TRANSPORTS:
-            report = run_engine_benchmark(transport, parse_size(size), repeat)
+        if transport in ARENA_TRANSPORTS:
+            report = run_arena_benchmark(transport, parse_size(size), repeat)
         else:
             config = BenchConfig(transport, parse_size(size), repeat, streams=streams)
             report = crc_overhead_report(config) if crc_overhead else run_transfer_benchmark(config)

@@ -6,8 +6,8 @@ transport > ...): nothing in the library imports a harness.
 * :mod:`topkv.harness.netns`: a loopback-only private network namespace (NIXL and Mooncake
   bind every interface, so tests and benchmarks run them in one).
 * :mod:`topkv.harness.peers`: the two-process peer (``python -m topkv.harness.peers
-  sink|send``) the engine tests and benchmarks drive.
-* :mod:`topkv.harness.engine_bench`: ``topkv bench transfer --transport nixl|mooncake|cuda``.
+  sink|send``) the arena transports' tests and benchmarks drive.
+* :mod:`topkv.harness.arena_bench`: ``topkv bench transfer --transport nixl|mooncake|cuda``.
 * :mod:`topkv.harness.chaos`: ``topkv chaos``, fault injection against a local cluster of
   worker processes (:mod:`~topkv.harness.chaos_inprocess`: the same against the same
   workers started in-process; :mod:`~topkv.harness.chaos_config`: its config and report).

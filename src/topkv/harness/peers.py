@@ -6,8 +6,8 @@
 sends seeded random KV and prints one JSON line per transfer. :func:`spawn_sink` and
 :func:`spawn_sender` start them (inside a :class:`~topkv.harness.netns.PrivateNetns` or not)
 and :class:`PeerProcess` reads their lines; :func:`expected_digest` is what a bit-exact copy
-of a sender's data must hash to. The engine tests and ``topkv bench transfer --transport
-nixl|mooncake|cuda`` drive them.
+of a sender's data must hash to. The arena transports' tests and ``topkv bench transfer
+--transport nixl|mooncake|cuda`` drive them.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def peer_sink(
         print(f"LAYER {descriptor.request_id} {layer}", flush=True)
 
     sink = make_sink(transport, secret, on_layer=announce, **options)
-    print(f"ADDRESS {sink.address}", flush=True)  # engines may log to stdout too
+    print(f"ADDRESS {sink.address}", flush=True)  # their libraries may log to stdout too
     try:
         for rid in range(first, first + count):
             try:
@@ -221,7 +221,7 @@ class PeerProcess:
         self._lines.put(None)
 
     def line(self, prefix: str, timeout: float) -> str:
-        """The next stdout line starting with ``prefix`` (engines may log other lines)."""
+        """The next stdout line starting with ``prefix`` (libraries may log other lines)."""
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()

@@ -1,21 +1,11 @@
 """``summary.sim_check`` of ``topkv demo``: the simulator, configured as the stand-in, on the
 same requests, and whether it tells the demo's story.
 
-The simulator runs the stand-in deployment (:mod:`topkv.harness.stand_in`) in the demo's
-shape (two prefill and two decode instances, two decode slots each, one prompt per forward
-pass) on the run's requests: their prompt lengths, their arrivals scaled by the ratio of the
-stand-in's prefill time to the demo's (the sum over the requests of the roofline's prefill
-time over the sum of the measured ``prefill_ms``), and its decode steps scaled so that decode
-holds the decode slots as long as the demo's did (:func:`stand_in_compute`), so that the
-stand-in is as loaded as the demo was. Topology-aware is the cost policy (the demo's
-``CostPolicy``), uniform RDMA the ``uniform-rdma`` policy; pipelining as the demo ran.
-
-Demo (wall-clock ms, dilated) and simulator (the stand-in's ms) are compared as
-dimensionless *effects* of uniform RDMA over topology-aware selection, both relative to the
-topology-aware TTFT p50: ``exposed`` = (exposed p50 uniform - topology-aware) / TTFT p50,
-``ttft`` = (TTFT p50 uniform - topology-aware) / TTFT p50. They agree on an effect when both
-are negligible (under :data:`NEGLIGIBLE` of TTFT), or when they have the same direction and
-sizes within :data:`SIZE_FACTOR` of each other; ``agree`` needs both effects to agree.
+:func:`sim_check` simulates the stand-in deployment (:mod:`topkv.harness.stand_in`) in the
+demo's shape on the run's requests, loaded as the demo was (:func:`stand_in_workload`,
+:func:`stand_in_compute`), under topology-aware selection and uniform RDMA, and compares the
+demo's and the simulator's effects of uniform RDMA (:func:`compare`: agreement within
+:data:`NEGLIGIBLE` and :data:`SIZE_FACTOR`). How and why: docs/demo.md ("``sim_check``").
 """
 
 from __future__ import annotations

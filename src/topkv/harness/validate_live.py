@@ -1,49 +1,13 @@
 """Validate the simulator against the live demo (issue #7 item 7b): ``topkv sim-validate``.
 
-The simulator is configured as the local cluster of ``topkv demo`` (#6) and predicts the
-TTFT of the very requests the demo served; the prediction is compared with the demo's
-measured TTFT (p50, p90), split into queueing (arrival -> a prefill worker picks the
-request up: the demo's ``queue_ms``) and service (the rest: prefill, exposed transfer,
-handoff), and request by request for the route (prefill worker, decode worker, transport).
-
-* **Requests**: the record's own ``arrival_ms`` and ``prompt_len`` (``topkv demo --json``
-  carries them); each prompt length must agree with the request's KV ``bytes``. Older
-  records without them are rebuilt with the demo's :func:`topkv.demo.workload.load_requests`
-  (same trace, count, seed and speedup give the same requests), checked against ``bytes``
-  so that a record made with other settings is refused rather than mis-simulated.
-* **Cluster**: two emulated 8x H100 nodes, reduced to the GPUs the demo uses: prefill on
-  GPU0 and decode on GPU1 of each node (TP 1, P:D 1:1), NVLink inside a node, one RDMA
-  NIC per GPU across nodes. The demo paces every link ``dilation`` times slower than the
-  hardware, so the simulated links run at ``bandwidth / dilation`` with
-  ``setup * dilation`` per chunk (layer).
-* **Policies**: the same :class:`~topkv.policy.route.RoutingPolicy` and
-  :class:`~topkv.policy.select.CostPolicy` as the demo's relay orchestrator; each decode
-  worker has ``decode_slots`` (2) slots, held from routing to the end of decode; one
-  request per prefill pass (no batching), FIFO, pipelined layer-by-layer transfer.
-* **Compute**, calibrated from measurements (:class:`Calibration`):
-
-  - ``quadratic`` (default): prefill ``a + b s + c s^2`` ms for ``s`` prompt tokens,
-    least squares on the measured ``prefill_ms``;
-  - ``contention``: a model of *this CPU host*, where the demo's four worker processes
-    share 2 cores: ``a + s (b + k_p o_p + k_d o_d)`` ms, with ``o_p`` (``o_d``) the
-    number of other prefills (decodes) running, averaged over this prefill. Fitted on the
-    measured timeline (each request's prefill and decode intervals follow from
-    ``arrival_ms``, ``queue_ms``, ``prefill_ms``, ``ttft_ms`` and ``decode_ms``); to
-    *predict*, the overlaps come from the simulated timeline instead, solved as a fixed
-    point (simulate, recompute every prefill's overlaps, damp, repeat). GPUs do not
-    share compute between instances: this term models the host, not the hardware.
-  - decode per token: median ``decode_ms / (new_tokens - 1)``; ``overhead_ms``: median
-    ``ttft - queue - prefill - exposed`` (orchestrator handoff, first-token message),
-    added to every predicted TTFT; ``dispatch_ms``: median ``queue_ms`` of requests that
-    arrived to an idle prefill worker, added to every predicted queueing time.
-
-:func:`validate_against_demo` calibrates on all requests of the run (in-sample) and also
-cross-validates (calibrated on even request ids only, TTFT compared on the odd ids the fit
-never saw); :func:`calibration_from` calibrates on another recorded run (cross-run).
-
-The record is read by :mod:`topkv.harness.validate_record`, the compute models are
-calibrated by :mod:`topkv.harness.validate_model`, and the simulation of the demo's cluster
-is :mod:`topkv.harness.validate_predict`; this module compares and reports.
+The simulator, configured as the local cluster of ``topkv demo`` (#6), predicts the TTFT of
+the very requests the demo served; this module compares the prediction with the demo's
+measured TTFT (p50 and p90, queueing and service apart, the route request by request) and
+reports it. :func:`validate_against_demo` calibrates on the run itself (in-sample and
+cross-validated), :func:`calibration_from` on another run. The record is read by
+:mod:`topkv.harness.validate_record`, the compute models are calibrated by
+:mod:`topkv.harness.validate_model`, and :mod:`topkv.harness.validate_predict` simulates the
+demo's cluster. Method and results: docs/simulator.md ("Validation against the live system").
 """
 
 from __future__ import annotations

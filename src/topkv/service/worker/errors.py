@@ -19,12 +19,12 @@ T = TypeVar("T")
 
 
 def made_medium(make: Callable[[bytes], T], secret: bytes, medium: str, what: str) -> T:
-    """``make(secret)``; an engine that fails to start is this medium's transport failure."""
+    """``make(secret)``; a library that fails to start is this medium's transport failure."""
     try:
         return make(secret)
     except TransportError:
         raise
-    except Exception as exc:  # e.g. an engine agent that cannot start here
+    except Exception as exc:  # e.g. a NIXL agent that cannot start here
         raise TransportUnavailable(f"{medium} {what} failed to start: {exc!r}") from exc
 
 

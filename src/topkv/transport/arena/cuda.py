@@ -42,13 +42,13 @@ from typing import Any, Unpack, cast
 
 from topkv.transport import framing
 from topkv.transport.arena.protocol import (
-    SinkEngine,
-    SourceEngine,
+    SinkDriver,
+    SourceDriver,
     dumps_metadata,
     loads_metadata,
 )
-from topkv.transport.arena.sink import EngineSink, EngineSinkOptions
-from topkv.transport.arena.source import EngineSource, EngineSourceOptions
+from topkv.transport.arena.sink import ArenaSink, ArenaSinkOptions
+from topkv.transport.arena.source import ArenaSource, ArenaSourceOptions
 from topkv.transport.base import LayerTensors, TransferDescriptor, TransportMode
 from topkv.transport.errors import (
     FrameRejected,
@@ -159,7 +159,7 @@ def _host_crc(tensor: Any, staging: _PinnedStaging) -> int:
     return framing.crc64(host.numpy())
 
 
-class _CudaSinkEngine(SinkEngine):
+class _CudaSinkDriver(SinkDriver):
     def __init__(self, capacity: int, device: int) -> None:
         torch = _torch()
         self.capacity = capacity
@@ -202,7 +202,7 @@ class _CudaSinkEngine(SinkEngine):
             _LOCAL_ARENAS.pop(self.token, None)
 
 
-class _CudaSourceEngine(SourceEngine):
+class _CudaSourceDriver(SourceDriver):
     def __init__(self) -> None:
         self.torch = _torch()
         self._staging = _PinnedStaging()
@@ -304,7 +304,7 @@ class _CudaSourceEngine(SourceEngine):
             self._streams.clear()
 
 
-class CudaSink(EngineSink):
+class CudaSink(ArenaSink):
     """Receives KV into an arena on ``cuda:<device>`` (address ``cuda://host:port``)."""
 
     name = "cuda"
@@ -317,17 +317,17 @@ class CudaSink(EngineSink):
         device: int = 0,
         host: str = "127.0.0.1",
         capacity_bytes: int = DEFAULT_ARENA_BYTES,
-        **options: Unpack[EngineSinkOptions],
+        **options: Unpack[ArenaSinkOptions],
     ) -> None:
-        engine = _CudaSinkEngine(capacity_bytes, device)
-        super().__init__(engine, secret, scheme="cuda", host=host, **options)
+        driver = _CudaSinkDriver(capacity_bytes, device)
+        super().__init__(driver, secret, scheme="cuda", host=host, **options)
 
 
-class CudaSource(EngineSource):
+class CudaSource(ArenaSource):
     """Copies KV into :class:`CudaSink` arenas (peer copies / pinned staging over IPC)."""
 
     name = "cuda"
     mode = TransportMode.NVLINK
 
-    def __init__(self, secret: bytes, **options: Unpack[EngineSourceOptions]) -> None:
-        super().__init__(_CudaSourceEngine(), secret, scheme="cuda", **options)
+    def __init__(self, secret: bytes, **options: Unpack[ArenaSourceOptions]) -> None:
+        super().__init__(_CudaSourceDriver(), secret, scheme="cuda", **options)

@@ -19,7 +19,7 @@ from topkv.transport.arena.protocol import INSTALL_HINT
 from topkv.transport.base import TransferSink, TransferSource, TransportMode
 from topkv.transport.errors import TransportUnavailable
 
-ENGINE_TRANSPORTS: dict[str, tuple[TransportMode, str]] = {
+ARENA_TRANSPORTS: dict[str, tuple[TransportMode, str]] = {
     "nixl": (TransportMode.RDMA, "NIXL agent, UCX backend (optional extra)"),
     "mooncake": (TransportMode.TCP, "Mooncake Transfer Engine, TCP protocol (optional extra)"),
     "cuda": (TransportMode.NVLINK, "CUDA peer copies and IPC through PyTorch (needs a GPU)"),
@@ -27,7 +27,7 @@ ENGINE_TRANSPORTS: dict[str, tuple[TransportMode, str]] = {
 
 
 def missing_package(transport: str) -> str | None:
-    """None when ``transport``'s engine package is importable, else why it is not."""
+    """None when ``transport``'s library package is importable, else why it is not."""
     module = {"nixl": "nixl_cu12", "mooncake": "mooncake.engine", "cuda": "torch"}[transport]
     try:
         found = importlib.util.find_spec(module) is not None
@@ -48,7 +48,7 @@ def missing_package(transport: str) -> str | None:
     return None
 
 
-def _engine_classes(
+def _driver_classes(
     transport: str,
 ) -> tuple[Callable[..., TransferSource], Callable[..., TransferSink]]:
     """``transport``'s source and sink classes, imported once its package is known to load
@@ -71,13 +71,13 @@ def _engine_classes(
 
 def make_source(transport: str, secret: bytes, **options: Any) -> TransferSource:
     """A source of ``transport`` (nixl | mooncake | cuda); TransportUnavailable if absent."""
-    source, _ = _engine_classes(transport)
+    source, _ = _driver_classes(transport)
     return source(secret, **options)
 
 
 def make_sink(transport: str, secret: bytes, **options: Any) -> TransferSink:
     """A sink of ``transport`` (nixl | mooncake | cuda); TransportUnavailable if absent."""
-    _, sink = _engine_classes(transport)
+    _, sink = _driver_classes(transport)
     return sink(secret, **options)
 
 
@@ -90,27 +90,27 @@ def register_all(
 ) -> dict[str, str | None]:
     """Add nixl, mooncake and cuda to :mod:`topkv.transport.catalog`; idempotent.
 
-    Returns ``{name: None}`` for each engine that can run here and ``{name: reason}`` (what
-    is missing and how to install it) for the others. A missing engine is still registered
+    Returns ``{name: None}`` for each transport that can run here and ``{name: reason}``
+    (what is missing and how to install it) for the others. A missing one is still registered
     (its description says why it is unavailable, and making its source or sink raises
     ``TransportUnavailable`` with the reason) unless ``available_only``. The registered
     factories take only the shared secret: sinks listen on ``host`` (also the local address
-    of Mooncake's own engine) with an arena of ``capacity_bytes`` (each engine's default,
-    1 GiB, when None). ``names``: only these engines (default: all three); a caller that
-    does not offer ``cuda`` leaves it out, since probing it imports torch.
+    of Mooncake's Transfer Engine) with an arena of ``capacity_bytes`` (each transport's
+    default, 1 GiB, when None). ``names``: only these transports (default: all three); a
+    caller that does not offer ``cuda`` leaves it out, since probing it imports torch.
     """
     sink_options: dict[str, Any] = {"host": host}
     if capacity_bytes is not None:
         sink_options["capacity_bytes"] = capacity_bytes
-    wanted = set(ENGINE_TRANSPORTS if names is None else names)
-    unknown = wanted - set(ENGINE_TRANSPORTS)
+    wanted = set(ARENA_TRANSPORTS if names is None else names)
+    unknown = wanted - set(ARENA_TRANSPORTS)
     if unknown:
-        known = ", ".join(ENGINE_TRANSPORTS)
+        known = ", ".join(ARENA_TRANSPORTS)
         raise TransportUnavailable(
-            f"no engine transport {', '.join(sorted(unknown))}; known: {known}"
+            f"no arena transport {', '.join(sorted(unknown))}; known: {known}"
         )
     reasons: dict[str, str | None] = {}
-    for name, (mode, description) in ENGINE_TRANSPORTS.items():
+    for name, (mode, description) in ARENA_TRANSPORTS.items():
         if name not in wanted:
             continue
         reason = reasons[name] = missing_package(name)

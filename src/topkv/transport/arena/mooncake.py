@@ -1,16 +1,16 @@
-"""Mooncake Transfer Engine-backed transport: batched writes into the sink's arena.
+"""Arena transport over the Mooncake Transfer Engine: batched writes into the sink's arena.
 
 Mapping onto the contract (see :mod:`topkv.transport.arena.protocol` for the shared protocol):
 
 * :class:`MooncakeSink` starts a ``TransferEngine`` with the P2P handshake (no metadata
   server: ``"P2PHANDSHAKE"``), registers its host arena and sends its session id
   (``host:rpc_port``) and the arena's base address over the control channel.
-* :class:`MooncakeSource` starts its own engine and, per layer, writes K and V with one
-  ``batch_transfer_sync_write`` to that session; the call returns once the bytes are in
+* :class:`MooncakeSource` starts its own ``TransferEngine`` and, per layer, writes K and V
+  with one ``batch_transfer_sync_write`` to that session; the call returns once the bytes are in
   the sink's memory, and then the layer's frame header (with CRC-64s) follows for the sink
   to verify.
 
-``protocol`` is Mooncake's transport: ``tcp`` here; ``rdma`` where NICs exist. The engine
+``protocol`` is Mooncake's transport: ``tcp`` here; ``rdma`` where NICs exist. The write
 call is synchronous and cannot be interrupted; if the sink dies mid-call, the transfer's
 future fails at once through the control channel and the call is abandoned on its thread.
 
@@ -26,14 +26,14 @@ from typing import Any, Unpack
 
 from topkv.transport.arena.protocol import (
     INSTALL_HINT,
-    HostSinkEngine,
-    HostSourceEngine,
+    HostSinkDriver,
+    HostSourceDriver,
     buffer_address,
     dumps_metadata,
     loads_metadata,
 )
-from topkv.transport.arena.sink import EngineSink, EngineSinkOptions
-from topkv.transport.arena.source import EngineSource, EngineSourceOptions
+from topkv.transport.arena.sink import ArenaSink, ArenaSinkOptions
+from topkv.transport.arena.source import ArenaSource, ArenaSourceOptions
 from topkv.transport.base import TransportMode
 from topkv.transport.errors import PeerDied, TransportError, TransportUnavailable
 
@@ -48,32 +48,32 @@ DEFAULT_ARENA_BYTES = 1 << 30
 P2P_HANDSHAKE = "P2PHANDSHAKE"
 
 
-def _start_engine(host: str, protocol: str, device: str) -> Any:
-    engine = TransferEngine()
-    status = engine.initialize(host, P2P_HANDSHAKE, protocol, device)
+def _start_transfer_engine(host: str, protocol: str, device: str) -> Any:
+    transfer_engine = TransferEngine()
+    status = transfer_engine.initialize(host, P2P_HANDSHAKE, protocol, device)
     if status != 0:
         raise TransportUnavailable(
             f"Mooncake TransferEngine.initialize({host!r}, P2PHANDSHAKE, {protocol!r}) "
             f"returned {status}"
         )
-    return engine
+    return transfer_engine
 
 
-class _MooncakeSinkEngine(HostSinkEngine):
+class _MooncakeSinkDriver(HostSinkDriver):
     def __init__(self, capacity: int, host: str, protocol: str, device: str) -> None:
         self.host = host
-        self.engine = _start_engine(host, protocol, device)
+        self.transfer_engine = _start_transfer_engine(host, protocol, device)
         super().__init__(capacity)
-        status = self.engine.register_memory(self.arena.address, capacity)
+        status = self.transfer_engine.register_memory(self.arena.address, capacity)
         if status != 0:
             raise TransportUnavailable(f"Mooncake could not register the arena (status {status})")
 
     def metadata(self) -> bytes:
-        port = self.engine.get_rpc_port()
+        port = self.transfer_engine.get_rpc_port()
         return dumps_metadata({"rpc_port": port, "base": self.arena.address})
 
     def deregister(self) -> None:
-        self.engine.unregister_memory(self.arena.address)
+        self.transfer_engine.unregister_memory(self.arena.address)
 
 
 class _MooncakePeer:
@@ -82,9 +82,9 @@ class _MooncakePeer:
         self.base = base
 
 
-class _MooncakeSourceEngine(HostSourceEngine):
+class _MooncakeSourceDriver(HostSourceDriver):
     def __init__(self, host: str, protocol: str, device: str) -> None:
-        self.engine = _start_engine(host, protocol, device)
+        self.transfer_engine = _start_transfer_engine(host, protocol, device)
         self._lock = threading.Lock()
 
     def attach(self, metadata: bytes, host: str) -> _MooncakePeer:
@@ -104,17 +104,19 @@ class _MooncakeSourceEngine(HostSourceEngine):
         addresses = [buffer_address(view) for view, _ in pieces]
         lengths = [len(view) for view, _ in pieces]
         targets = [peer.base + offset for _, offset in pieces]
-        engine = self.engine
-        # Local buffers are registered for the duration of the write, as the engine expects.
-        status = engine.batch_register_memory(addresses, lengths)
+        transfer_engine = self.transfer_engine
+        # Local buffers are registered for the duration of the write, as Mooncake expects.
+        status = transfer_engine.batch_register_memory(addresses, lengths)
         if status != 0:
             raise TransportError(f"Mooncake could not register the layer's buffers ({status})")
         try:
-            status = engine.batch_transfer_sync_write(peer.session, addresses, targets, lengths)
-        except Exception as exc:  # the binding raises RuntimeError on engine failures
+            status = transfer_engine.batch_transfer_sync_write(
+                peer.session, addresses, targets, lengths
+            )
+        except Exception as exc:  # the binding raises RuntimeError on its failures
             raise PeerDied(f"Mooncake write to {peer.session} failed: {exc}") from exc
         finally:
-            engine.batch_unregister_memory(addresses)
+            transfer_engine.batch_unregister_memory(addresses)
         if status != 0:
             raise PeerDied(f"Mooncake write to {peer.session} failed (status {status})")
 
@@ -122,14 +124,14 @@ class _MooncakeSourceEngine(HostSourceEngine):
         """Mooncake drops a dead peer's segment itself on the next failed write."""
 
     def close(self) -> None:
-        """The engine shuts down with the object."""
+        """The ``TransferEngine`` shuts down with the object."""
 
 
 def _mode(protocol: str) -> TransportMode:
     return TransportMode.RDMA if protocol == "rdma" else TransportMode.TCP
 
 
-class MooncakeSink(EngineSink):
+class MooncakeSink(ArenaSink):
     """Receives KV written by :class:`MooncakeSource` (address ``mooncake://host:port``)."""
 
     name = "mooncake"
@@ -143,14 +145,14 @@ class MooncakeSink(EngineSink):
         capacity_bytes: int = DEFAULT_ARENA_BYTES,
         protocol: str = "tcp",
         device: str = "",
-        **options: Unpack[EngineSinkOptions],
+        **options: Unpack[ArenaSinkOptions],
     ) -> None:
         self.mode = _mode(protocol)
-        engine = _MooncakeSinkEngine(capacity_bytes, host, protocol, device)
-        super().__init__(engine, secret, scheme="mooncake", host=host, **options)
+        driver = _MooncakeSinkDriver(capacity_bytes, host, protocol, device)
+        super().__init__(driver, secret, scheme="mooncake", host=host, **options)
 
 
-class MooncakeSource(EngineSource):
+class MooncakeSource(ArenaSource):
     """Sends KV to :class:`MooncakeSink` through Mooncake batch writes."""
 
     name = "mooncake"
@@ -163,8 +165,8 @@ class MooncakeSource(EngineSource):
         host: str = "127.0.0.1",
         protocol: str = "tcp",
         device: str = "",
-        **options: Unpack[EngineSourceOptions],
+        **options: Unpack[ArenaSourceOptions],
     ) -> None:
         self.mode = _mode(protocol)
-        engine = _MooncakeSourceEngine(host, protocol, device)
-        super().__init__(engine, secret, scheme="mooncake", **options)
+        driver = _MooncakeSourceDriver(host, protocol, device)
+        super().__init__(driver, secret, scheme="mooncake", **options)

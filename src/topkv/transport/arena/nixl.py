@@ -1,4 +1,4 @@
-"""NIXL-backed transport: one-sided UCX writes into the sink's registered host arena.
+"""Arena transport over NIXL: one-sided UCX writes into the sink's registered host arena.
 
 Mapping onto the contract (see :mod:`topkv.transport.arena.protocol` for the shared protocol):
 
@@ -27,15 +27,15 @@ from typing import Any, Unpack
 
 from topkv.transport.arena.protocol import (
     INSTALL_HINT,
-    HostSinkEngine,
-    HostSourceEngine,
+    HostSinkDriver,
+    HostSourceDriver,
     buffer_address,
     dumps_metadata,
     loads_metadata,
     unique_name,
 )
-from topkv.transport.arena.sink import EngineSink, EngineSinkOptions
-from topkv.transport.arena.source import EngineSource, EngineSourceOptions
+from topkv.transport.arena.sink import ArenaSink, ArenaSinkOptions
+from topkv.transport.arena.source import ArenaSource, ArenaSourceOptions
 from topkv.transport.base import TransportMode
 from topkv.transport.errors import PeerDied, TransferTimeout, TransportError, TransportUnavailable
 
@@ -67,7 +67,7 @@ def _make_agent(prefix: str, ucx_tls: str | None) -> Any:
     return agent
 
 
-class _NixlSinkEngine(HostSinkEngine):
+class _NixlSinkDriver(HostSinkDriver):
     def __init__(self, capacity: int, ucx_tls: str | None) -> None:
         self.agent = _make_agent("topkv-sink", ucx_tls)
         super().__init__(capacity)
@@ -89,7 +89,7 @@ class _NixlPeer:
         self.base = base
 
 
-class _NixlSourceEngine(HostSourceEngine):
+class _NixlSourceDriver(HostSourceDriver):
     def __init__(self, ucx_tls: str | None) -> None:
         self.agent = _make_agent("topkv-source", ucx_tls)
         self._lock = threading.Lock()
@@ -150,7 +150,7 @@ class _NixlSourceEngine(HostSourceEngine):
         """The agent is torn down with the object; nothing is held beyond it."""
 
 
-class NixlSink(EngineSink):
+class NixlSink(ArenaSink):
     """Receives KV written by :class:`NixlSource` agents (address ``nixl://host:port``)."""
 
     name = "nixl"
@@ -163,19 +163,19 @@ class NixlSink(EngineSink):
         host: str = "127.0.0.1",
         capacity_bytes: int = DEFAULT_ARENA_BYTES,
         ucx_tls: str | None = None,
-        **options: Unpack[EngineSinkOptions],
+        **options: Unpack[ArenaSinkOptions],
     ) -> None:
-        engine = _NixlSinkEngine(capacity_bytes, ucx_tls)
-        super().__init__(engine, secret, scheme="nixl", host=host, **options)
+        driver = _NixlSinkDriver(capacity_bytes, ucx_tls)
+        super().__init__(driver, secret, scheme="nixl", host=host, **options)
 
 
-class NixlSource(EngineSource):
+class NixlSource(ArenaSource):
     """Sends KV to :class:`NixlSink` through NIXL ``WRITE`` requests."""
 
     name = "nixl"
     mode = TransportMode.RDMA
 
     def __init__(
-        self, secret: bytes, *, ucx_tls: str | None = None, **options: Unpack[EngineSourceOptions]
+        self, secret: bytes, *, ucx_tls: str | None = None, **options: Unpack[ArenaSourceOptions]
     ) -> None:
-        super().__init__(_NixlSourceEngine(ucx_tls), secret, scheme="nixl", **options)
+        super().__init__(_NixlSourceDriver(ucx_tls), secret, scheme="nixl", **options)

@@ -1,32 +1,33 @@
-"""The protocol every engine-backed transport (NIXL, Mooncake TE, CUDA) shares.
+"""The arena protocol every arena transport (NIXL, Mooncake TE, CUDA) shares.
 
-These engines move bytes one-sidedly: the initiator *writes* into memory the target has
+Their libraries move bytes one-sidedly: the initiator *writes* into memory the target has
 registered. TopKV maps that onto its contract (:mod:`topkv.transport.base`) the same way for
-every engine, with a small control channel beside the engine's data path:
+every library, with a small control channel beside the library's data path:
 
 * The sink owns a registered **arena** (host memory for NIXL and Mooncake, a device tensor
   for CUDA) and listens on an authenticated TCP control socket (the HMAC handshake of
-  :mod:`topkv.transport.stream.handshake`). Its address is ``<engine>://host:port``.
-* After the handshake the sink sends an *engine hello*: the arena size and the engine's own
+  :mod:`topkv.transport.stream.handshake`). Its address is ``<transport>://host:port``.
+* After the handshake the sink sends an *arena hello*: the arena size and the library's own
   metadata (NIXL agent metadata, the Mooncake P2P session, a CUDA IPC handle).
 * Per transfer the source sends the transfer header; the sink reserves a region of the arena
   and answers ``USE_SEGMENT(offset)`` (or a failed ACK when it cannot).
-* Per layer the source has the **engine** write K and V into the region, waits for the
-  engine's completion, then sends the wire format's per-layer frame header (CRC-64 of each
+* Per layer the source has the **library** write K and V into the region, waits for the
+  library's completion, then sends the wire format's per-layer frame header (CRC-64 of each
   tensor) on the control socket. The sink verifies the landed bytes against those CRCs and
   calls ``on_layer``. ``DONE`` -> the sink ACKs; the source's future resolves.
 * ``ReceivedKV.layers`` are views into the arena; ``release()`` returns the region.
 
 Death of either side closes the control socket: every pending future fails with
-``PeerDied`` at once, even when an engine call is stuck (the engine call is abandoned on its
+``PeerDied`` at once, even when a library call is stuck (the call is abandoned on its
 thread, bounded by the transport's I/O timeout).
 
-Modules: this one holds what an engine implements (:class:`SinkEngine`,
-:class:`SourceEngine`), the arenas, and the hello and metadata records;
-:mod:`topkv.transport.arena.sink` and :mod:`topkv.transport.arena.source` the two ends of
-the control channel; :mod:`topkv.transport.arena.factory` the factory and registration. The
-engines (:mod:`~topkv.transport.arena.nixl`, :mod:`~topkv.transport.arena.mooncake`,
-:mod:`~topkv.transport.arena.cuda`) import these modules; only the factory imports the engines.
+Modules: this one holds what a library's drivers implement (:class:`SinkDriver`,
+:class:`SourceDriver`: the per-side object that drives the library), the arenas, and the
+hello and metadata records; :mod:`topkv.transport.arena.sink` and
+:mod:`topkv.transport.arena.source` the two ends of the control channel;
+:mod:`topkv.transport.arena.factory` the factory and registration. The transports
+(:mod:`~topkv.transport.arena.nixl`, :mod:`~topkv.transport.arena.mooncake`,
+:mod:`~topkv.transport.arena.cuda`) import these modules; only the factory imports them.
 """
 
 from __future__ import annotations
@@ -61,34 +62,35 @@ ARENA_ALIGN = 4096
 HELLO_MAGIC = b"TKVENG01"
 HELLO = struct.Struct("<8sQI")  # magic, arena capacity, metadata length
 MAX_METADATA_BYTES = 1 << 20
-WRITE_WINDOW = 2  # engine writes in flight per transfer
+WRITE_WINDOW = 2  # library writes in flight per transfer
 INSTALL_HINT = "install the optional peers with scripts/install-peers.sh"
 
 _agent_ids = itertools.count(1)
 
 
 def unique_name(prefix: str) -> str:
-    """A process-unique engine agent name."""
+    """A process-unique name for a library's agent."""
     return f"{prefix}-{os.getpid()}-{next(_agent_ids)}-{os.urandom(3).hex()}"
 
 
 @dataclass(frozen=True)
-class EngineLayer:
-    """One validated layer queued for an engine write (tensors in the engine's own type)."""
+class ArenaLayer:
+    """One validated layer queued for a library write (tensors in the driver's own type)."""
 
     layer: int
     tensors: tuple[Any, ...]
     crcs: tuple[int, ...] | None
 
 
-class SinkEngine(ABC):
-    """Target side of an engine: a registered arena and what a source needs to reach it."""
+class SinkDriver(ABC):
+    """Drives a library on the sink's side: a registered arena and what sources need to
+    reach it."""
 
     capacity: int
 
     @abstractmethod
     def metadata(self) -> bytes:
-        """Opaque bytes a source passes to :meth:`SourceEngine.attach`."""
+        """Opaque bytes a source passes to :meth:`SourceDriver.attach`."""
 
     @abstractmethod
     def crc(self, offset: int, nbytes: int) -> int:
@@ -100,11 +102,11 @@ class SinkEngine(ABC):
 
     @abstractmethod
     def close(self) -> None:
-        """Deregister the arena and shut the engine down."""
+        """Deregister the arena and shut the library down."""
 
 
-class SourceEngine(ABC):
-    """Initiator side of an engine."""
+class SourceDriver(ABC):
+    """Drives a library on the initiator's (source's) side."""
 
     def check(
         self,
@@ -112,18 +114,18 @@ class SourceEngine(ABC):
         layer: int,
         tensors: Sequence[Any],
         crcs: Sequence[int] | None,
-    ) -> EngineLayer:
+    ) -> ArenaLayer:
         """Validate a ``send_layer`` call (raises ``FrameRejected``): the layout's checks
         (:func:`~topkv.transport.stream.sending.check_layer_tensors`) over the tensors as
         :meth:`flatten` makes them."""
         flat, checked = check_layer_tensors(
             descriptor, layer, tensors, crcs, self.flatten, self.nbytes
         )
-        return EngineLayer(layer, flat, checked)
+        return ArenaLayer(layer, flat, checked)
 
     @abstractmethod
     def flatten(self, tensor: Any) -> Any:
-        """One ``send_layer`` tensor as the engine writes it (flat bytes, no copy)."""
+        """One ``send_layer`` tensor as the library writes it (flat bytes, no copy)."""
 
     @abstractmethod
     def nbytes(self, flat: Any) -> int:
@@ -144,7 +146,7 @@ class SourceEngine(ABC):
         """Write each ``(tensor, arena offset)`` into the peer's arena; return when complete.
 
         Raises ``TransferTimeout`` after ``timeout`` seconds, ``PeerDied`` when ``abort`` is
-        set (the control channel died) or the engine reports a failure.
+        set (the control channel died) or the library reports a failure.
         """
 
     @abstractmethod
@@ -153,7 +155,7 @@ class SourceEngine(ABC):
 
     @abstractmethod
     def close(self) -> None:
-        """Shut the engine down."""
+        """Shut the library down."""
 
 
 class Arena:
@@ -210,7 +212,7 @@ class Arena:
 
 
 class HostArena:
-    """Anonymous, page-aligned host memory for a sink engine to register."""
+    """Anonymous, page-aligned host memory for a sink driver to register."""
 
     def __init__(self, capacity: int) -> None:
         if capacity <= 0:
@@ -233,11 +235,11 @@ class HostArena:
             self.map.close()  # views handed out and not yet dropped keep it mapped
 
 
-class HostSinkEngine(SinkEngine):
-    """A sink engine whose arena is a :class:`HostArena` (NIXL, Mooncake).
+class HostSinkDriver(SinkDriver):
+    """A sink driver whose arena is a :class:`HostArena` (NIXL, Mooncake).
 
-    Subclasses start their engine, call ``super().__init__(capacity)``, register
-    ``self.arena`` with the engine and undo that registration in :meth:`deregister`.
+    Subclasses start their library, call ``super().__init__(capacity)``, register
+    ``self.arena`` with the library and undo that registration in :meth:`deregister`.
     """
 
     def __init__(self, capacity: int) -> None:
@@ -260,11 +262,11 @@ class HostSinkEngine(SinkEngine):
 
     @abstractmethod
     def deregister(self) -> None:
-        """Drop the engine's registration of the arena (once, before the arena is freed)."""
+        """Drop the library's registration of the arena (once, before the arena is freed)."""
 
 
-class HostSourceEngine(SourceEngine):
-    """A source engine that writes host buffers (NIXL, Mooncake): checked as byte views."""
+class HostSourceDriver(SourceDriver):
+    """A source driver that writes host buffers (NIXL, Mooncake): checked as byte views."""
 
     def flatten(self, tensor: Any) -> memoryview:
         return as_bytes_view(tensor)
@@ -283,7 +285,7 @@ def buffer_address(view: memoryview) -> int:
     return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
 
 
-def parse_engine_address(address: str, scheme: str) -> tuple[str, int]:
+def parse_arena_address(address: str, scheme: str) -> tuple[str, int]:
     prefix = f"{scheme}://"
     if not address.startswith(prefix):
         raise TransportError(f"not a {scheme} address: {address!r} (expected {prefix}host:port)")
@@ -298,12 +300,12 @@ def send_hello(sock: socket.socket, capacity: int, metadata: bytes) -> None:
 
 
 def read_hello(sock: socket.socket) -> tuple[int, bytes]:
-    magic, capacity, length = HELLO.unpack(recv_exactly(sock, HELLO.size, "engine hello"))
+    magic, capacity, length = HELLO.unpack(recv_exactly(sock, HELLO.size, "arena hello"))
     if magic != HELLO_MAGIC:
-        raise FrameRejected(f"bad engine hello magic {magic!r}")
+        raise FrameRejected(f"bad arena hello magic {magic!r}")
     if length > MAX_METADATA_BYTES:
-        raise FrameRejected(f"engine metadata of {length} bytes exceeds {MAX_METADATA_BYTES}")
-    return capacity, recv_exactly(sock, length, "engine metadata")
+        raise FrameRejected(f"library metadata of {length} bytes exceeds {MAX_METADATA_BYTES}")
+    return capacity, recv_exactly(sock, length, "library metadata")
 
 
 def control_record(kind: framing.ControlKind, request_id: int = 0, **kw: Any) -> bytes:
@@ -318,7 +320,7 @@ def loads_metadata(data: bytes, required: Sequence[str]) -> dict[str, Any]:
     try:
         fields = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise FrameRejected(f"engine metadata is not JSON: {exc}") from exc
+        raise FrameRejected(f"library metadata is not JSON: {exc}") from exc
     if not isinstance(fields, dict) or any(key not in fields for key in required):
-        raise FrameRejected(f"engine metadata lacks one of {list(required)}")
+        raise FrameRejected(f"library metadata lacks one of {list(required)}")
     return fields

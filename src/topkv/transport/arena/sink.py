@@ -1,8 +1,9 @@
-"""Receiving end of the engine protocol (:mod:`topkv.transport.arena.protocol`).
+"""Receiving end of the arena protocol (:mod:`topkv.transport.arena.protocol`).
 
-:class:`EngineSink` owns the engine's registered arena and the authenticated control
-socket; one :class:`_SinkSession` per source connection reserves regions, verifies each
-layer the engine wrote against its frame header's CRC-64s and acknowledges the transfer.
+:class:`ArenaSink` owns the arena its driver registered with the library and the
+authenticated control socket; one :class:`_SinkSession` per source connection reserves
+regions, verifies each layer the library wrote against its frame header's CRC-64s and
+acknowledges the transfer.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Unpack
 from topkv.transport import framing
 from topkv.transport.arena.protocol import (
     Arena,
-    SinkEngine,
+    SinkDriver,
     control_record,
     send_hello,
 )
@@ -45,21 +46,21 @@ class _Incoming:
     error: TransportError | None = None
 
 
-class EngineSinkOptions(SinkOptions, total=False):
-    """Control-channel options every engine's sink passes on to :class:`EngineSink`."""
+class ArenaSinkOptions(SinkOptions, total=False):
+    """Control-channel options every arena transport's sink passes on to :class:`ArenaSink`."""
 
     port: int
 
 
-class EngineSink(ListeningSink):
-    """Receives KV written by an engine into this sink's arena (see the module docstring)."""
+class ArenaSink(ListeningSink):
+    """Receives KV a library wrote into this sink's arena (see the module docstring)."""
 
-    name = "engine"
+    name = "arena"
     mode = TransportMode.TCP
 
     def __init__(
         self,
-        engine: SinkEngine,
+        driver: SinkDriver,
         secret: bytes,
         *,
         scheme: str,
@@ -68,9 +69,9 @@ class EngineSink(ListeningSink):
         **options: Unpack[SinkOptions],
     ) -> None:
         super().__init__(secret, label=scheme, **options)
-        self.engine = engine
+        self.driver = driver
         self._scheme = scheme
-        self._arena = Arena(engine.capacity)
+        self._arena = Arena(driver.capacity)
         listener = socket.create_server((host, port))
         self._host = host
         self._port = listener.getsockname()[1]
@@ -86,20 +87,20 @@ class EngineSink(ListeningSink):
             return
         self._arena.close()
         self._table.close()
-        self.engine.close()
+        self.driver.close()
 
     def _prepare(self, conn: socket.socket) -> None:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def _greet(self, conn: socket.socket) -> None:
-        send_hello(conn, self.engine.capacity, self.engine.metadata())
+        send_hello(conn, self.driver.capacity, self.driver.metadata())
 
     def _session(self, conn: socket.socket) -> None:
         _SinkSession(self, conn).run()
 
 
-class _SinkSession(ControlSession[EngineSink, _Incoming]):
-    """Receiver side of one control connection: layers land in the arena by engine writes."""
+class _SinkSession(ControlSession[ArenaSink, _Incoming]):
+    """Receiver side of one control connection: layers land in the arena by library writes."""
 
     def end(self) -> None:
         super().end()
@@ -120,7 +121,7 @@ class _SinkSession(ControlSession[EngineSink, _Incoming]):
                 control_record(framing.ControlKind.ACK, rid, status=status_for(exc), text=str(exc))
             )
             return
-        state = _Incoming(descriptor, offset, self.sink.engine.carve(offset, descriptor))
+        state = _Incoming(descriptor, offset, self.sink.driver.carve(offset, descriptor))
         self._add(state)
         self.send(
             control_record(
@@ -142,7 +143,7 @@ class _SinkSession(ControlSession[EngineSink, _Incoming]):
             base = state.offset + header.layer * layout.layer_bytes
             for index, crc in enumerate(header.crcs):
                 start = base + index * layout.tensor_bytes
-                if self.sink.engine.crc(start, layout.tensor_bytes) != crc:
+                if self.sink.driver.crc(start, layout.tensor_bytes) != crc:
                     state.error = crc_mismatch(header, index)
                     return
         self._deliver(state, header.layer, state.layers[header.layer])

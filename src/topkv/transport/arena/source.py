@@ -1,8 +1,8 @@
-"""Sending end of the engine protocol (:mod:`topkv.transport.arena.protocol`).
+"""Sending end of the arena protocol (:mod:`topkv.transport.arena.protocol`).
 
-:class:`EngineSource` keeps one authenticated control connection per sink and the engine
-peer attached through it; each transfer pipelines up to ``WRITE_WINDOW`` engine writes and
-sends a layer's frame header only once its write completed.
+:class:`ArenaSource` keeps one authenticated control connection per sink and the library
+peer its driver attached through it; each transfer pipelines up to ``WRITE_WINDOW`` library
+writes and sends a layer's frame header only once its write completed.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from typing import Any, Unpack
 from topkv.transport import framing
 from topkv.transport.arena.protocol import (
     WRITE_WINDOW,
-    EngineLayer,
-    SourceEngine,
+    ArenaLayer,
+    SourceDriver,
     control_record,
-    parse_engine_address,
+    parse_arena_address,
     read_hello,
 )
 from topkv.transport.base import OutgoingTransfer, TransferDescriptor, TransportMode
@@ -45,9 +45,9 @@ from topkv.transport.stream.sending import (
 
 
 class _Connection(ControlChannel):
-    """One control connection to a sink and the engine peer attached through it."""
+    """One control connection to a sink and the library peer attached through it."""
 
-    def __init__(self, source: EngineSource, host: str, port: int) -> None:
+    def __init__(self, source: ArenaSource, host: str, port: int) -> None:
         self.source = source
         try:
             sock = socket.create_connection((host, port), timeout=source.connect_timeout)
@@ -57,7 +57,7 @@ class _Connection(ControlChannel):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             client_handshake(sock, source.secret)
             self.capacity, metadata = read_hello(sock)
-            self.peer = source.engine.attach(metadata, host)
+            self.peer = source.driver.attach(metadata, host)
         except BaseException:
             sock.close()
             raise
@@ -65,7 +65,7 @@ class _Connection(ControlChannel):
         self.lock = threading.Lock()
         self.replies: dict[int, queue.SimpleQueue[framing.Control | TransportError]] = {}
         self.abort = threading.Event()
-        self.outgoing: set[_EngineOutgoing] = set()
+        self.outgoing: set[_ArenaOutgoing] = set()
         threading.Thread(
             target=self._read_loop, name=f"{source.name}-src-read", daemon=True
         ).start()
@@ -95,31 +95,31 @@ class _Connection(ControlChannel):
         self.abort.set()
         for waiting in replies.values():
             waiting.put(error)
-        for transfer in outgoing:  # fail at once, even while an engine call is stuck
+        for transfer in outgoing:  # fail at once, even while a library call is stuck
             transfer.fail(error)
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
         self.source.forget(self)
         with contextlib.suppress(Exception):
-            self.source.engine.detach(self.peer)
+            self.source.driver.detach(self.peer)
 
     def close(self) -> None:
         self._die(PeerDied(f"{self.source.name} source closed"))
 
 
-class _EngineOutgoing(QueuedOutgoing[EngineLayer]):
+class _ArenaOutgoing(QueuedOutgoing[ArenaLayer]):
     def __init__(self, conn: _Connection, descriptor: TransferDescriptor) -> None:
         super().__init__(descriptor)
         self._conn = conn
-        self._engine = conn.source.engine
+        self._driver = conn.source.driver
         self._replies = conn.expect(descriptor.request_id)
         with conn.lock:
             conn.outgoing.add(self)
         threading.Thread(target=self._run, name=f"{conn.source.name}-send", daemon=True).start()
 
-    def _check(self, layer: int, tensors: Sequence[Any], crcs: Sequence[int] | None) -> EngineLayer:
-        return self._engine.check(self.descriptor, layer, tensors, crcs)
+    def _check(self, layer: int, tensors: Sequence[Any], crcs: Sequence[int] | None) -> ArenaLayer:
+        return self._driver.check(self.descriptor, layer, tensors, crcs)
 
     def cancel(self) -> None:
         if self._fail(TransferCancelled(f"request {self.descriptor.request_id} cancelled")):
@@ -153,14 +153,14 @@ class _EngineOutgoing(QueuedOutgoing[EngineLayer]):
         return reply
 
     def _pipeline(self, offset: int) -> None:
-        """Engine writes of up to ``WRITE_WINDOW`` layers in flight; CRCs computed meanwhile.
+        """Library writes of up to ``WRITE_WINDOW`` layers in flight; CRCs computed meanwhile.
 
         Headers go out in queue order, each only after its layer's write completed, and
         as soon as it completed when the producer has nothing more queued yet (so
         ``on_layer`` fires at the receiver without waiting for later layers).
         """
         conn, source, layout = self._conn, self._conn.source, self.descriptor.layout
-        pending: collections.deque[tuple[EngineLayer, Future[None], tuple[int, ...]]]
+        pending: collections.deque[tuple[ArenaLayer, Future[None], tuple[int, ...]]]
         pending = collections.deque()
         finishing = False
         while True:
@@ -170,7 +170,7 @@ class _EngineOutgoing(QueuedOutgoing[EngineLayer]):
                     write.result(source.io_timeout + 5)
                 except TimeoutError:
                     raise TransferTimeout(
-                        f"engine write of layer {item.layer} did not complete in time"
+                        f"library write of layer {item.layer} did not complete in time"
                     ) from None
                 conn.send(framing.encode_layer_header(self.descriptor, item.layer, crcs))
                 continue
@@ -182,16 +182,16 @@ class _EngineOutgoing(QueuedOutgoing[EngineLayer]):
                 continue
             if self._future.done():
                 break
-            assert isinstance(entry, EngineLayer)
+            assert isinstance(entry, ArenaLayer)
             base = offset + entry.layer * layout.layer_bytes
             pieces = [
                 (tensor, base + index * layout.tensor_bytes)
                 for index, tensor in enumerate(entry.tensors)
             ]
             write = source.executor().submit(
-                self._engine.write, conn.peer, pieces, source.io_timeout, conn.abort
+                self._driver.write, conn.peer, pieces, source.io_timeout, conn.abort
             )
-            crcs = entry.crcs or tuple(self._engine.crc(t) for t in entry.tensors)
+            crcs = entry.crcs or tuple(self._driver.crc(t) for t in entry.tensors)
             pending.append((entry, write, crcs))
         for _item, write, _crcs in pending:  # a failure or cancel: let writes settle
             with contextlib.suppress(Exception):
@@ -227,33 +227,33 @@ class _EngineOutgoing(QueuedOutgoing[EngineLayer]):
                 conn.outgoing.discard(self)
 
 
-#: Control-channel options every engine's source passes on to :class:`EngineSource`.
-EngineSourceOptions = SourceOptions
+#: Control-channel options every arena transport's source passes on to :class:`ArenaSource`.
+ArenaSourceOptions = SourceOptions
 
 
-class EngineSource(StreamSource):
-    """Sends KV to :class:`EngineSink` instances through an engine's one-sided writes."""
+class ArenaSource(StreamSource):
+    """Sends KV to :class:`ArenaSink` instances through a library's one-sided writes."""
 
-    name = "engine"
+    name = "arena"
     mode = TransportMode.TCP
 
     def __init__(
         self,
-        engine: SourceEngine,
+        driver: SourceDriver,
         secret: bytes,
         *,
         scheme: str,
         **options: Unpack[SourceOptions],
     ) -> None:
         super().__init__(secret, **options)
-        self.engine = engine
+        self.driver = driver
         self.scheme = scheme
         self._conns: ControlConnections[tuple[str, int], _Connection] = ControlConnections()
         self._lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
 
     def executor(self) -> ThreadPoolExecutor:
-        """Threads that run engine writes (shared by this source's transfers)."""
+        """Threads that run library writes (shared by this source's transfers)."""
         with self._lock:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(
@@ -262,7 +262,7 @@ class EngineSource(StreamSource):
             return self._executor
 
     def _connection(self, destination: str) -> _Connection:
-        key = parse_engine_address(destination, self.scheme)
+        key = parse_arena_address(destination, self.scheme)
         return self._conns.get(key, lambda: _Connection(self, *key))
 
     def forget(self, conn: _Connection) -> None:
@@ -270,7 +270,7 @@ class EngineSource(StreamSource):
 
     def open(self, descriptor: TransferDescriptor, destination: str) -> OutgoingTransfer:
         framing.validate_layout(descriptor.layout)
-        return _EngineOutgoing(self._connection(destination), descriptor)
+        return _ArenaOutgoing(self._connection(destination), descriptor)
 
     def close(self) -> None:
         self._conns.close()
@@ -278,4 +278,4 @@ class EngineSource(StreamSource):
             executor, self._executor = self._executor, None
         if executor is not None:
             executor.shutdown(wait=False, cancel_futures=True)
-        self.engine.close()
+        self.driver.close()

@@ -1,6 +1,6 @@
 """The listening half every stream sink shares: listen, accept, authenticate, serve, close.
 
-:class:`ListeningSink` is the skeleton of the ``shm``, ``tcp`` and engine sinks: it owns the
+:class:`ListeningSink` is the skeleton of the ``shm``, ``tcp`` and arena sinks: it owns the
 listening socket, the accept thread, one thread per connection and the
 :class:`~topkv.transport.stream.receiving.ReceiveTable` that ``receive()`` reads. A connection is
 served only after the HMAC handshake (:mod:`topkv.transport.stream.handshake`) passed within
@@ -10,9 +10,9 @@ untouched by this module. ``close()`` stops accepting, shuts every connection do
 sessions end and fail what they were receiving) and fails the transfers still pending.
 
 :class:`ControlSession` is the receiving side of a connection that carries records only
-(``shm`` and the engines: the bytes travel through a shared segment or an engine's writes):
-its read loop, serialized replies, and the failure of every transfer still open on it when
-the connection fails.
+(``shm`` and the arena transports: the bytes travel through a shared segment or a library's
+writes): its read loop, serialized replies, and the failure of every transfer still open on
+it when the connection fails.
 """
 
 from __future__ import annotations

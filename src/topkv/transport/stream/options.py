@@ -1,6 +1,6 @@
-"""The keyword options the stream transports (shm, tcp and the engines) share, and their
-defaults: :class:`SinkOptions` of every sink, :class:`SourceOptions` of every source, and
-:class:`StreamSource`, the source base that holds them."""
+"""The keyword options the stream transports (shm, tcp and the arena transports) share, and
+their defaults: :class:`SinkOptions` of every sink, :class:`SourceOptions` of every source,
+and :class:`StreamSource`, the source base that holds them."""
 
 from __future__ import annotations
 

@@ -60,8 +60,8 @@ def check_layer_tensors(
     tensor count, each tensor's size in bytes after ``flatten`` and the CRC count.
 
     Returns the flattened tensors and the CRCs as a tuple (None when not given). Host
-    transports flatten to byte views (:func:`check_layer`), the CUDA engine to device
-    tensors."""
+    transports flatten to byte views (:func:`check_layer`), the CUDA arena transport to
+    device tensors."""
     layout = descriptor.layout
     if not 0 <= layer < layout.num_layers:
         raise FrameRejected(f"layer {layer} out of range 0..{layout.num_layers - 1}")
@@ -149,13 +149,13 @@ class QueuedOutgoing(OutgoingTransfer, Generic[ItemT]):
     def _fail(self, error: BaseException) -> object:
         """Record ``error`` as the transfer's outcome unless one is already recorded."""
 
-    def _succeed(self, transport: str, mode: TransportMode) -> None:
+    def _succeed(self, medium: str, mode: TransportMode) -> None:
         """Resolve the future with the verified result (timed from the open), unless it
         already failed."""
         seconds = time.perf_counter() - self._started
         result = TransferResult(
             request_id=self.descriptor.request_id,
-            transport=transport,
+            medium=medium,
             mode=mode,
             size_bytes=self.descriptor.layout.total_bytes,
             seconds=seconds,

@@ -1,9 +1,9 @@
-"""Two-process cases shared by the peer-engine transports (NIXL, Mooncake TE).
+"""Two-process cases shared by the host-memory arena transports (NIXL, Mooncake TE).
 
-Each engine's test module subclasses :class:`PeerEngineCases`, names its transport, secret
+Each transport's test module subclasses :class:`ArenaPeerCases`, names its transport, secret
 and option sets, and skips itself when its package or network namespaces are missing. Every
 case starts a sink process and a sender process that share one loopback-only namespace, so
-the engine's every-interface listeners stay private.
+the library's every-interface listeners stay private.
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ LAYOUTS = [
 ]
 
 
-class PeerEngineCases:
-    """The cases every peer engine must pass; subclasses set the class attributes."""
+class ArenaPeerCases:
+    """The cases every such arena transport must pass; subclasses set the class attributes."""
 
     transport: ClassVar[str]
     secret: ClassVar[bytes]
-    # Engine options as pytest.param(options, id=...); the bit-exact case runs once per entry.
+    # Transport options as pytest.param(options, id=...); the bit-exact case runs once per entry.
     option_sets: ClassVar[tuple[object, ...]]
 
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:

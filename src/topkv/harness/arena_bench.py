@@ -15,7 +15,7 @@ from typing import Any
 
 from topkv.harness.netns import PrivateNetns
 from topkv.harness.peers import expected_digest, kv_data, spawn_sender, spawn_sink
-from topkv.transport.arena.factory import ENGINE_TRANSPORTS, missing_package
+from topkv.transport.arena.factory import ARENA_TRANSPORTS, missing_package
 from topkv.transport.errors import ChecksumMismatch, PeerDied, TransportError, TransportUnavailable
 
 
@@ -78,7 +78,7 @@ def raw_socket_gbps(size: int, repeat: int) -> float:
     return size / statistics.median(times) / 1e9
 
 
-def run_engine_benchmark(
+def run_arena_benchmark(
     transport: str, size_bytes: int, repeat: int = 5, options: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     """``topkv bench transfer`` for nixl | mooncake | cuda, same JSON as the other media.
@@ -92,9 +92,9 @@ def run_engine_benchmark(
 
     from topkv.harness.transfer_bench import bench_layout
 
-    if transport not in ENGINE_TRANSPORTS:
+    if transport not in ARENA_TRANSPORTS:
         raise TransportUnavailable(
-            f"{transport!r} is not an engine transport ({', '.join(ENGINE_TRANSPORTS)})"
+            f"{transport!r} is not an arena transport ({', '.join(ARENA_TRANSPORTS)})"
         )
     reason = missing_package(transport)
     if reason is not None:
