@@ -60,7 +60,7 @@ class ImmediateExecutor:
 
     async def transfer(self, plan: AttemptPlan) -> Delivery:
         return Delivery(
-            plan.request_id, plan.destination.worker_id, plan.transport, "none", 32, 1e-6, DIGEST
+            plan.request_id, plan.destination.worker_id, plan.path_class, "none", 32, 1e-6, DIGEST
         )
 
     async def probe(self, worker: WorkerInfo) -> bool:

@@ -84,7 +84,7 @@ def _nixl_missing() -> str | None:
 #: vLLM's NixlConnector on the CPU: KV staged in host memory, UCX over tcp/shm.
 NIXL = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
 #: Its instances' environment: UCX and the side channel on loopback, as TopKVConnector keeps
-#: its own NIXL/UCX on an instance serving on 127.0.0.1 (media.engine_options).
+#: its own NIXL/UCX on an instance serving on 127.0.0.1 (media.arena_options).
 NIXL_ENV = {"UCX_TLS": "tcp,self,sm", "UCX_NET_DEVICES": "lo",
             "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}  # fmt: skip
 #: Seconds every instance gets to become healthy, counted from their common start (they

@@ -43,7 +43,7 @@ class ProducingExecutor:
         self.destination_held[plan.request_id] = plan.destination.worker_id
         digest = DIGEST + 1 if plan.attempt in self.corrupt_attempts else DIGEST
         return Delivery(
-            plan.request_id, plan.destination.worker_id, plan.transport, "test", 64, 0.01, digest
+            plan.request_id, plan.destination.worker_id, plan.path_class, "test", 64, 0.01, digest
         )
 
     async def probe(self, worker: WorkerInfo) -> bool:

@@ -38,7 +38,7 @@ class HeldExecutor:
     async def transfer(self, plan: AttemptPlan) -> Delivery:
         await self.release.wait()
         return Delivery(
-            plan.request_id, plan.destination.worker_id, plan.transport, "test", 1, 1e-3, DIGEST
+            plan.request_id, plan.destination.worker_id, plan.path_class, "test", 1, 1e-3, DIGEST
         )
 
     async def probe(self, worker: WorkerInfo) -> bool:

@@ -31,7 +31,7 @@ from topkv.service.worker.media import (
     why_unavailable,
 )
 from topkv.transport import catalog
-from topkv.transport.arena import factory as engines
+from topkv.transport.arena import factory as arena_factory
 from topkv.transport.base import KVLayout
 
 TOPKV = [sys.executable, "-c", "from topkv.cli.main import app; app()"]
@@ -41,7 +41,7 @@ _INSTALLED = [m for m in ("nixl", "mooncake") if why_unavailable(m) is None]
 
 def _cluster_up(tmp_path: Path, *args: str, in_netns: bool) -> subprocess.CompletedProcess[str]:
     argv = [*TOPKV, "cluster", "up", "--port", "0", "--run-dir", str(tmp_path), *args]
-    if in_netns:  # a private namespace with only loopback: the engines bind every interface
+    if in_netns:  # a private namespace with only loopback: NIXL and Mooncake bind every interface
         argv = ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$0" "$@"', *argv]
     return subprocess.run(argv, capture_output=True, text=True, timeout=120)
 
@@ -139,9 +139,9 @@ def test_a_synthetic_worker_offering_every_medium_never_imports_torch() -> None:
     code = (
         "import sys; from topkv.service.worker.service import WorkerService; "
         "from topkv.service.compute.engines import EngineSpec, build_engine; "
-        "from topkv.service.worker.media import resolve_media, register_engine_media; "
+        "from topkv.service.worker.media import resolve_media, register_arena_media; "
         "build_engine(EngineSpec()); offer = resolve_media(None); "
-        "register_engine_media(offer.media, '127.0.0.1'); "
+        "register_arena_media(offer.media, '127.0.0.1'); "
         "print('torch' in sys.modules, offer.media)"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
@@ -150,12 +150,14 @@ def test_a_synthetic_worker_offering_every_medium_never_imports_torch() -> None:
         assert done.stdout.startswith("False"), done.stdout
 
 
-def test_register_all_registers_only_the_engines_named(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_register_all_registers_only_the_arena_transports_named(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setattr(catalog, "_CATALOG", dict(catalog._CATALOG))
     probed: list[str] = []
-    monkeypatch.setattr(engines, "missing_package", lambda name: probed.append(name))
+    monkeypatch.setattr(arena_factory, "missing_package", lambda name: probed.append(name))
     before = set(catalog.available())
-    assert engines.register_all(names=["nixl"]) == {"nixl": None}
+    assert arena_factory.register_all(names=["nixl"]) == {"nixl": None}
     assert probed == ["nixl"] and set(catalog.available()) - before == {"nixl"}
 
 
@@ -165,8 +167,8 @@ def _worker(worker_id: str, host: str, media: tuple[str, ...], rdma: bool = Fals
     return WorkerInfo(worker_id=worker_id, role=role, node=host, host_id=host, capabilities=caps)
 
 
-def _plan(transport: str, src: WorkerInfo, dst: WorkerInfo, request_id: int = 1) -> AttemptPlan:
-    return AttemptPlan(request_id, "m", KVLayout(1, 1, 1, 1), src, dst, transport, 1, 1.0)
+def _plan(path_class: str, src: WorkerInfo, dst: WorkerInfo, request_id: int = 1) -> AttemptPlan:
+    return AttemptPlan(request_id, "m", KVLayout(1, 1, 1, 1), src, dst, path_class, 1, 1.0)
 
 
 def test_the_orchestrator_selects_an_engine_medium_both_workers_offer() -> None:

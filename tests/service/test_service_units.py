@@ -17,7 +17,10 @@ from topkv.service.orchestrator.api import OrchestratorService, OrchestratorServ
 from topkv.service.orchestrator.executor import RemoteExecutor, _worker_error
 from topkv.service.orchestrator.models import SubmitRequest
 from topkv.service.orchestrator.openapi import openapi_document
-from topkv.transport.base import KVLayout
+from topkv.service.worker.send import paced_source
+from topkv.transport.base import KVLayout, TransportMode
+from topkv.transport.emulated import LinkModel
+from topkv.transport.tcp import TcpSource
 
 
 def test_prompt_tokens_of_a_catalog_model_give_its_layout() -> None:
@@ -64,14 +67,14 @@ def _worker(name: str, host: str) -> WorkerInfo:
     return WorkerInfo(worker_id=name, role=role, node=host, host_id=host)
 
 
-def _plan(transport: str, src_host: str, dst_host: str) -> AttemptPlan:
+def _plan(path_class: str, src_host: str, dst_host: str) -> AttemptPlan:
     return AttemptPlan(
         request_id=1,
         model_id="m",
         layout=KVLayout(1, 1, 1, 1),
         source=_worker("p0", src_host),
         destination=_worker("d0", dst_host),
-        transport=transport,
+        path_class=path_class,
         attempt=1,
         timeout_s=1.0,
     )
@@ -88,6 +91,14 @@ def test_media_follow_the_hosts() -> None:
     with pytest.raises(AttemptFailed) as unknown:
         executor.medium_for(_plan("carrier-pigeon", "a", "a"))
     assert unknown.value.kind == FailureKind.TRANSPORT
+
+
+def test_a_paced_source_wraps_the_worker_medium_in_one_modelled_link() -> None:
+    medium = TcpSource(b"secret")
+    paced = paced_source(medium, "rdma", 25.0, 1e-5, dilation=10.0)
+    assert paced.inner is medium and paced.name == "emulated-rdma"
+    assert paced.link == LinkModel(TransportMode.RDMA, 25.0, 1e-5) and paced.dilation == 10.0
+    assert paced_source(medium, TransportMode.TCP, 1.0, 5e-5).dilation == 1.0
 
 
 def test_worker_errors_map_to_failure_kinds() -> None:

@@ -85,10 +85,10 @@ async def _pair(faults: WorkerFaults | None = None) -> AsyncIterator[tuple[Worke
 
 
 def _plan(
-    source: WorkerService, destination: WorkerService, transport: str = "nvlink"
+    source: WorkerService, destination: WorkerService, path_class: str = "nvlink"
 ) -> AttemptPlan:
     assert source.info is not None and destination.info is not None
-    return AttemptPlan(RID, MODEL, LAYOUT, source.info, destination.info, transport, 1, 10.0)
+    return AttemptPlan(RID, MODEL, LAYOUT, source.info, destination.info, path_class, 1, 10.0)
 
 
 def _info(worker: WorkerService) -> WorkerInfo:

@@ -25,7 +25,7 @@ from topkv.topology.build import discover_from_files
 from topkv.topology.detect.errors import ParseError
 from topkv.topology.model import Cluster
 from topkv.topology.paths import nearest_nics
-from topkv.transport.media import MEDIUM_FOR_MODE
+from topkv.transport.media import real_medium
 
 DEFAULT_FIXTURE = "sglang-30401-h100-8gpu-nv18-8nic.txt"
 GPU_NAME = "NVIDIA H100 80GB HBM3"
@@ -98,11 +98,6 @@ def worker_info(
     )
 
 
-def medium_for(mode: str) -> str:
-    """The real medium under an emulated path class on this single host."""
-    return MEDIUM_FOR_MODE.get(mode, "tcp")
-
-
 @dataclass(frozen=True)
 class LinkChoice:
     """A transfer's path: its class, modelled bandwidth and setup, and the medium under it."""
@@ -119,7 +114,7 @@ class LinkChoice:
             chosen.transport,
             chosen.bandwidth_gbps,
             chosen.setup_latency_s,
-            medium_for(chosen.transport),
+            real_medium(chosen.transport),  # every path is emulated on this one host
         )
 
 

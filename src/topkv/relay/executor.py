@@ -74,9 +74,9 @@ def classify_failure(error: BaseException) -> FailureKind:
 class AttemptPlan:
     """One attempt: move ``request_id``'s KV from ``source`` to ``destination``.
 
-    ``transport`` is the selection policy's name for the path class (``nvlink``, ``pcie``,
+    ``path_class`` is the selection policy's name for the path (``nvlink``, ``pcie``,
     ``rdma``, ``tcp`` ...); the executor maps it to a medium it can run (``shm``, ``tcp``,
-    ``emulated-<mode>``) and reports which in :attr:`Delivery.medium`.
+    ``nixl``, ``emulated-<mode>``) and reports which in :attr:`Delivery.medium`.
     """
 
     request_id: int
@@ -84,7 +84,7 @@ class AttemptPlan:
     layout: KVLayout
     source: WorkerInfo
     destination: WorkerInfo
-    transport: str
+    path_class: str
     attempt: int
     timeout_s: float
 

@@ -261,7 +261,7 @@ class _EmulatedOutgoing(OutgoingTransfer):
             self._future.set_result(
                 TransferResult(
                     request_id=result.request_id,
-                    transport=self._source.name,
+                    medium=self._source.name,
                     mode=self._source.mode,
                     size_bytes=result.size_bytes,
                     seconds=wall / self._dilation,

@@ -4,15 +4,21 @@ which medium the picker's policy gives a pair (nixl among them)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from topkv.integrations.vllm.connector.media import offered_media, pair_medium
 from topkv.integrations.vllm.connector.params import MEDIA, ConnectorConfigError, ConnectorSettings
 from topkv.integrations.vllm.frontdoor.picker import NoInstance, Picker
+from topkv.relay.executor import AttemptPlan
 from topkv.relay.registry.memory import MemoryRegistry
 from topkv.relay.workers import WorkerCapabilities, WorkerInfo
+from topkv.service.orchestrator.executor import RemoteExecutor
 from topkv.service.worker.media import why_unavailable
+from topkv.transport import media as path_media
+from topkv.transport.base import KVLayout
+from topkv.transport.media import MediumChoice
 
 NIXL = "nixl://127.0.0.1:9100"
 
@@ -100,3 +106,24 @@ def test_an_rdma_pair_across_hosts_goes_over_nixl_where_both_offer_it() -> None:
     registry.register(decode)
     route = Picker(registry, "/run/x", affinity=False).pick(1 << 20)
     assert (route.path_class, route.medium, route.destination) == ("rdma", "nixl", NIXL)
+
+
+def test_the_executor_and_the_connector_make_one_decision(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The orchestrator's executor and the connector's pair_medium both ask
+    topkv.transport.media.medium_for which medium carries a pair's path class."""
+    asked: list[tuple[str, str | None]] = []
+    decide = path_media.medium_for
+
+    def recording(path_class: str, *args: Any, **kwargs: Any) -> MediumChoice:
+        choice = decide(path_class, *args, **kwargs)
+        asked.append((path_class, choice.medium))
+        return choice
+
+    monkeypatch.setattr(path_media, "medium_for", recording)
+    prefill = _worker("p0", "prefill", "hostA", ("tcp", "nixl"), rdma=True)
+    decode = _worker("d0", "decode", "hostB", ("tcp", "nixl"), rdma=True, sinks=(NIXL,))
+    plan = AttemptPlan(1, "m", KVLayout(1, 1, 1, 1), prefill, decode, "rdma", 1, 1.0)
+    assert RemoteExecutor().medium_for(plan) == "nixl"
+    assert asked == [("rdma", "nixl")]
+    assert pair_medium("tcp", prefill, decode)[0] == "tcp"
+    assert asked == [("rdma", "nixl"), ("tcp", "tcp")]

@@ -15,8 +15,9 @@ destination is ``destination_died``, an unreachable or empty source ``source_los
 transport error reported by a worker keeps the kind the worker classified.
 
 Media: the selection policy picks a *path class*; :meth:`RemoteExecutor.medium_for` picks the
-medium both workers offer (their registrations list them): an engine medium first where one
-serves the class (``nixl`` for rdma, ``cuda`` for nvlink/nvswitch), else the default table
+medium both workers offer (their registrations list them) through the one decision,
+:func:`topkv.transport.media.medium_for`: an arena medium first where one serves the class
+(``nixl`` for rdma, ``cuda`` for nvlink/nvswitch), else the default table
 (:data:`~topkv.transport.media.DEFAULT_MEDIA`). A request submitted with a ``medium`` is
 moved by that medium only (:meth:`RemoteExecutor.force_medium`).
 """
@@ -58,7 +59,8 @@ from topkv.service.messages import (
     SendResult,
     WaitRequest,
 )
-from topkv.service.worker.media import check_medium
+from topkv.service.worker.media import check_medium, same_host
+from topkv.transport import media as path_media
 from topkv.transport.base import KVLayout
 from topkv.transport.media import DEFAULT_MEDIA
 
@@ -66,14 +68,6 @@ M = TypeVar("M", bound=BaseModel)
 
 #: Extra seconds an HTTP call may take beyond the attempt's own timeout.
 _HTTP_MARGIN_S = 5.0
-
-#: Engine media that serve a path class, preferred (in order) over the default medium
-#: when both workers offer one.
-ENGINE_MEDIA_FOR_PATH: Mapping[str, tuple[str, ...]] = {
-    "rdma": ("nixl",),
-    "nvlink": ("cuda",),
-    "nvswitch": ("cuda",),
-}
 
 #: Requests remembered per table (forced media, prefill's first tokens, attempt reports).
 _REMEMBERED = 65_536
@@ -148,25 +142,30 @@ class RemoteExecutor:
             _remember(self._forced, request_id, medium)
 
     def medium_for(self, plan: AttemptPlan) -> str:
-        """The medium serving ``plan.transport`` between these two workers."""
+        """The medium serving ``plan.path_class`` between these two workers: the forced one,
+        else an arena medium serving the class, else this executor's medium for the class
+        (each judged by :func:`check_medium`); AttemptFailed (transport) when none can."""
         forced = self._forced.get(plan.request_id)
-        if forced is not None:
-            problem = check_medium(forced, plan.source, plan.destination)
-            if problem is not None:
-                raise AttemptFailed(FailureKind.TRANSPORT, f"forced medium {forced}: {problem}")
-            return forced
-        medium = self.media.get(plan.transport)
-        if medium is None:
+        own = forced if forced is not None else self.media.get(plan.path_class)
+        if own is None:
             raise AttemptFailed(
-                FailureKind.TRANSPORT, f"no medium here serves {plan.transport!r} paths"
+                FailureKind.TRANSPORT, f"no medium here serves {plan.path_class!r} paths"
             )
-        for engine in ENGINE_MEDIA_FOR_PATH.get(plan.transport, ()):
-            if check_medium(engine, plan.source, plan.destination) is None:
-                return engine
-        problem = check_medium(medium, plan.source, plan.destination)
-        if problem is not None:
-            raise AttemptFailed(FailureKind.TRANSPORT, problem)
-        return medium
+        source, destination = plan.source, plan.destination
+        choice = path_media.medium_for(
+            plan.path_class,
+            None,  # any registered medium: check_medium knows what each one rides on
+            same_host(source, destination),
+            lambda medium: check_medium(medium, source, destination),
+            own=(own,),
+            forced=forced,
+        )
+        if choice.medium is not None:
+            return choice.medium
+        # An arena medium that cannot join the two is passed over; the class's own cannot.
+        problem = choice.why_refused(own)
+        detail = f"forced medium {forced}: {problem}" if forced is not None else str(problem)
+        raise AttemptFailed(FailureKind.TRANSPORT, detail)
 
     def first_token(self, request_id: int) -> int | None:
         """Prefill's first token of ``request_id``, as its source reported it (once)."""
@@ -385,7 +384,7 @@ class RemoteExecutor:
         return Delivery(
             request_id=plan.request_id,
             destination=plan.destination.worker_id,
-            transport=plan.transport,
+            transport=plan.path_class,
             medium=medium,
             size_bytes=held.size_bytes,
             seconds=sent.seconds if sent.emulated else sent.wall_seconds,

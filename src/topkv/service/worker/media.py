@@ -19,16 +19,14 @@ from glob import glob
 from topkv.errors import ConfigError
 from topkv.relay.workers import WorkerInfo
 from topkv.transport import catalog as transports
-from topkv.transport.arena.factory import ENGINE_TRANSPORTS, missing_package, register_all
+from topkv.transport.arena.factory import ARENA_TRANSPORTS, missing_package, register_all
 from topkv.transport.arena.protocol import INSTALL_HINT
 from topkv.transport.errors import TransportUnavailable
+from topkv.transport.media import SAME_HOST_MEDIA
 from topkv.transport.shm import ShmSink
 
 #: Every real medium a worker can offer, in the order it lists them.
-KNOWN_MEDIA: tuple[str, ...] = ("tcp", "shm", *ENGINE_TRANSPORTS)
-
-#: Media whose two ends must be on one OS host.
-SAME_HOST_MEDIA = frozenset({"shm", "cuda"})
+KNOWN_MEDIA: tuple[str, ...] = ("tcp", "shm", *ARENA_TRANSPORTS)
 
 #: Device nodes whose presence means an NVIDIA GPU may be usable (Linux, WSL).
 _GPU_NODES = ("/dev/nvidiactl", "/dev/nvidia[0-9]*", "/dev/dxg")
@@ -54,7 +52,7 @@ def why_unavailable(medium: str) -> str | None:
         return None
     if medium == "shm":
         return None if os.path.isdir("/dev/shm") else "shm: /dev/shm is not mounted"
-    if medium not in ENGINE_TRANSPORTS:
+    if medium not in ARENA_TRANSPORTS:
         return f"{medium}: not a medium ({', '.join(KNOWN_MEDIA)})"
     if medium == "cuda" and not any(glob(pattern) for pattern in _GPU_NODES):
         return "cuda: no NVIDIA GPU device (/dev/nvidia*) on this host; the medium needs a GPU"
@@ -102,9 +100,10 @@ def resolve_media(requested: Sequence[str] | None, *, shm: bool = True) -> Media
     return MediaOffer(tuple(offered), unavailable)
 
 
-def register_engine_media(media: Iterable[str], host: str) -> None:
-    """Register the engine-backed media among ``media`` (sinks bound to ``host``)."""
-    names = [m for m in media if m in ENGINE_TRANSPORTS]
+def register_arena_media(media: Iterable[str], host: str) -> None:
+    """Register the arena media (nixl, mooncake, cuda) among ``media`` (sinks bound to
+    ``host``)."""
+    names = [m for m in media if m in ARENA_TRANSPORTS]
     if names:
         register_all(host=host, names=names, available_only=True)
 
@@ -127,6 +126,11 @@ def served_media(info: WorkerInfo) -> frozenset[str]:
     return frozenset(m for m, on in (("tcp", caps.tcp), ("shm", caps.shm)) if on)
 
 
+def same_host(source: WorkerInfo, destination: WorkerInfo) -> bool:
+    """Do the two registrations name one OS host (an empty ``host_id`` names none)?"""
+    return bool(source.host_id) and source.host_id == destination.host_id
+
+
 def check_medium(medium: str, source: WorkerInfo, destination: WorkerInfo) -> str | None:
     """None when ``medium`` can move bytes from ``source`` to ``destination``, else why not."""
     try:
@@ -140,8 +144,7 @@ def check_medium(medium: str, source: WorkerInfo, destination: WorkerInfo) -> st
                 f"{worker.worker_id} does not offer {carrier} "
                 f"(it offers {', '.join(sorted(served)) or 'nothing'})"
             )
-    same_host = bool(source.host_id) and source.host_id == destination.host_id
-    if carrier in SAME_HOST_MEDIA and not same_host:
+    if carrier in SAME_HOST_MEDIA and not same_host(source, destination):
         return (
             f"{medium} needs one host; {source.worker_id} (on {source.host_id or '?'}) and "
             f"{destination.worker_id} (on {destination.host_id or '?'}) are on different hosts"

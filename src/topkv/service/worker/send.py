@@ -10,8 +10,10 @@
   forward_start)``: prefill's recorded compute schedule replayed over another path, which
   measures what that path would have exposed had the pipelined transfer taken it.
 
-A send may be *paced* to an emulated path (:func:`paced`): the bytes still move over the
-worker's real medium, each layer leaving no earlier than the modelled link lets it.
+A send may be *paced* to an emulated path (:func:`paced_source`, the one builder of a
+worker's emulated sources: a send's emulated path, or the slowed link of fault injection):
+the bytes still move over the worker's real medium, each layer leaving no earlier than the
+modelled link lets it.
 :class:`SendStamps` records when each layer was offered to the (paced) transport and when it
 left the paced link for the real medium.
 """
@@ -23,7 +25,6 @@ import time
 from dataclasses import dataclass, field
 
 from topkv.service.kvstore import HeldKV
-from topkv.service.messages import PacedLink
 from topkv.transport.base import OutgoingTransfer, TransferSource, TransportMode
 from topkv.transport.emulated import EmulatedSource, LinkModel
 from topkv.transport.errors import TransferTimeout
@@ -31,13 +32,23 @@ from topkv.transport.errors import TransferTimeout
 now = time.perf_counter
 
 
-def paced(medium: TransferSource, link: PacedLink) -> EmulatedSource:
-    """``medium`` paced to ``link``: one emulated link per send, each its own path.
+def paced_source(
+    medium: TransferSource,
+    mode: str,
+    bandwidth_gbps: float,
+    setup_s: float,
+    *,
+    dilation: float = 1.0,
+) -> EmulatedSource:
+    """``medium`` paced to one modelled ``mode`` link (``bandwidth_gbps`` decimal GB/s,
+    ``setup_s`` per chunk), ``dilation`` times slower than modelled.
 
-    The wrapper is dropped after the send, never closed: the medium is the worker's.
+    A send's emulated path (:class:`~topkv.service.messages.PacedLink`) gets one per send,
+    dropped after it, never closed (the medium is the worker's); a slowed worker's sources
+    (fault injection) keep theirs.
     """
-    model = LinkModel(TransportMode(link.mode), link.bandwidth_gbps, link.setup_s)
-    return EmulatedSource(medium, model, dilation=link.dilation)
+    link = LinkModel(TransportMode(mode), bandwidth_gbps, setup_s)
+    return EmulatedSource(medium, link, dilation=dilation)
 
 
 @dataclass

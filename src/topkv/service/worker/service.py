@@ -7,7 +7,7 @@ One worker is one GPU slot in the prefill or the decode pool. It
   continues from received K/V;
 * offers every medium its host has (:mod:`topkv.service.worker.media`: tcp, shm, and nixl,
   mooncake, cuda when installed) and lists them in its registration; the tcp and shm sinks
-  listen from the start, an engine medium's sink from its first receive;
+  listen from the start, an arena medium's sink from its first receive;
 * holds KV caches (:mod:`topkv.service.kvstore`): a prefill worker's from its prefill's
   start (a send streams each layer as it is published), a decode worker's as they land;
 * registers itself, with a heartbeat, in etcd or through the orchestrator's HTTP API;
@@ -87,13 +87,13 @@ from topkv.service.worker.experts import renew
 from topkv.service.worker.inbox import Inbox
 from topkv.service.worker.media import (
     MediaOffer,
-    register_engine_media,
+    register_arena_media,
     resolve_media,
     sink_medium,
 )
 from topkv.service.worker.registrar import Registrar, open_registrar
 from topkv.service.worker.role import RoleSwitch
-from topkv.service.worker.send import SendStamps, paced, send_scheduled, wait_ended
+from topkv.service.worker.send import SendStamps, paced_source, send_scheduled, wait_ended
 from topkv.service.worker.tiers import WorkerTiers
 from topkv.transport import catalog as transports
 from topkv.transport.base import (
@@ -101,9 +101,7 @@ from topkv.transport.base import (
     TransferDescriptor,
     TransferSink,
     TransferSource,
-    TransportMode,
 )
-from topkv.transport.emulated import EmulatedSource, LinkModel
 from topkv.transport.errors import TransferTimeout, TransportError, TransportUnavailable
 from topkv.transport.faults import CorruptingSource
 from topkv.transport.shm import ShmSink
@@ -178,7 +176,7 @@ class WorkerService:
         if self.engine.serial:
             self._compute = ThreadPoolExecutor(self.engine.threads, f"engine-{self.worker_id}")
         media = self.offer.media
-        register_engine_media(media, advertise if _wildcard(cfg.bind_host) else cfg.bind_host)
+        register_arena_media(media, advertise if _wildcard(cfg.bind_host) else cfg.bind_host)
         tcp_port = ""
         if "tcp" in media:
             tcp_sink = TcpSink(cfg.secret, host=cfg.bind_host, port=0, on_layer=self._inbox.landed)
@@ -489,7 +487,7 @@ class WorkerService:
         return model_response(Released(request_id=request_id, released=released))
 
     async def _sink(self, kind: str) -> TransferSink | None:
-        """This worker's sink of ``kind``; an engine medium's is made on first use."""
+        """This worker's sink of ``kind``; an arena medium's is made on first use."""
         sink = self._sinks.get(kind)
         if sink is not None or kind not in self.offer.media:
             return sink
@@ -586,13 +584,15 @@ class WorkerService:
         stamps = SendStamps()
         try:
             source = self._source(body.medium)
-            if body.link is not None:
-                source = paced(source, body.link)
+            if (link := body.link) is not None:
+                source = paced_source(
+                    source, link.mode, link.bandwidth_gbps, link.setup_s, dilation=link.dilation
+                )
             started = time.perf_counter()
             out = await asyncio.to_thread(source.open, descriptor, body.destination)
         except TransportError as exc:  # a plain one: no medium or address of ours (400)
             if type(exc) is not TransportError:
-                raise  # the transport's own failure (a peer gone, an engine down): 502
+                raise  # the transport's own failure (a peer gone, a library down): 502
             return error_response(400, "transport", str(exc), "TransportError")
         self._outgoing[transfer_id] = out
         try:
@@ -670,9 +670,8 @@ class WorkerService:
 
     def _with_faults(self, medium: str, source: TransferSource) -> TransferSource:
         faults = self.config.faults
-        if faults.slow_gbps is not None:
-            link = LinkModel(TransportMode(source.mode), faults.slow_gbps, 50e-6)
-            source = EmulatedSource(source, link)
+        if faults.slow_gbps is not None:  # a slowed link: 50 us setup per chunk
+            source = paced_source(source, source.mode, faults.slow_gbps, 50e-6)
         if faults.corrupt_rate > 0:
             seed = faults.seed * 1_000_003 + zlib.crc32(medium.encode())
             corrupter = CorruptingSource(source, faults.corrupt_rate, seed)

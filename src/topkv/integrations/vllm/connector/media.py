@@ -6,14 +6,16 @@ medium its host has: ``shm`` and ``tcp`` always, ``nixl`` and ``mooncake`` when 
 packages load; ``kv_connector_extra_config.media`` restricts the offer (a listed medium
 this host lacks is a configuration error, not a silent fallback). A decode instance opens
 a sink for each medium it offers and lists them in its registration
-(``capabilities.media``; the engine sinks' addresses in ``sink_addresses``).
+(``capabilities.media``; the arena sinks' addresses in ``sink_addresses``).
 
 Pair (:func:`pair_medium`): the selection policy's path class for the pair becomes a medium
-as :class:`topkv.service.orchestrator.executor.RemoteExecutor` makes it one: an engine medium
-first where one serves the class (``nixl`` for rdma), then the class's real medium (shm
-for a same-host class), then tcp; the first that both registrations offer and that can
-join their hosts (:func:`topkv.service.worker.media.check_medium`) wins. ``allowed`` (a
-request's ``X-TopKV-Medium``) keeps only those media, the policy's order first.
+through the one decision the orchestrator's executor makes too,
+:func:`topkv.transport.media.medium_for`: an arena medium first where one serves the class
+(``nixl`` for rdma), then the class's real medium (shm for a same-host class), then tcp,
+among the connector's media (no shm across hosts); the first that both registrations offer
+and that can join their hosts (:func:`topkv.service.worker.media.check_medium`) wins.
+``allowed`` (a request's ``X-TopKV-Medium``) keeps only those media, the policy's order
+first.
 """
 
 from __future__ import annotations
@@ -25,14 +27,15 @@ from dataclasses import dataclass, field
 
 from topkv.integrations.vllm.connector.params import MEDIA, ConnectorConfigError, ConnectorSettings
 from topkv.relay.workers import WorkerInfo
-from topkv.service.orchestrator.executor import ENGINE_MEDIA_FOR_PATH
-from topkv.service.worker.media import check_medium, why_unavailable
+from topkv.service.worker.media import check_medium, same_host, why_unavailable
+from topkv.transport import media as path_media
 from topkv.transport.arena.factory import make_sink, make_source
 from topkv.transport.base import TransferSink, TransferSource
 from topkv.transport.media import real_medium
 
-#: Media whose sink address is not the registration's ``address`` (tcp) or derived (shm).
-ENGINE_MEDIA = ("nixl", "mooncake")
+#: The arena media a connector offers: their sink address is not the registration's
+#: ``address`` (tcp) nor derived from it (shm).
+ARENA_MEDIA = ("nixl", "mooncake")
 
 
 @dataclass(frozen=True)
@@ -67,7 +70,8 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
-def engine_options(medium: str, settings: ConnectorSettings, sink: bool) -> dict[str, object]:
+def arena_options(medium: str, settings: ConnectorSettings, sink: bool) -> dict[str, object]:
+    """The factory options of an arena medium's sink (``sink``) or source, from settings."""
     options: dict[str, object] = {}
     if medium == "nixl":
         options["ucx_tls"] = settings.ucx_tls
@@ -82,20 +86,12 @@ def engine_options(medium: str, settings: ConnectorSettings, sink: bool) -> dict
     return options
 
 
-def engine_sink(medium: str, settings: ConnectorSettings) -> TransferSink:
-    return make_sink(medium, settings.secret, **engine_options(medium, settings, True))
+def arena_sink(medium: str, settings: ConnectorSettings) -> TransferSink:
+    return make_sink(medium, settings.secret, **arena_options(medium, settings, True))
 
 
-def engine_source(medium: str, settings: ConnectorSettings) -> TransferSource:
-    return make_source(medium, settings.secret, **engine_options(medium, settings, False))
-
-
-def candidates(path_class: str, same_host: bool) -> list[str]:
-    """The media that may serve ``path_class``, the policy's preference first."""
-    order = [*ENGINE_MEDIA_FOR_PATH.get(path_class, ()), real_medium(path_class), "tcp"]
-    if not same_host:
-        order = [m for m in order if m != "shm"]
-    return [m for i, m in enumerate(order) if m in MEDIA and m not in order[:i]]
+def arena_source(medium: str, settings: ConnectorSettings) -> TransferSource:
+    return make_source(medium, settings.secret, **arena_options(medium, settings, False))
 
 
 def pair_medium(
@@ -105,21 +101,22 @@ def pair_medium(
     allowed: Sequence[str] | None = None,
 ) -> tuple[str | None, str]:
     """(the medium for this pair, why) - (None, why not) when no allowed medium joins them."""
-    same_host = bool(prefill.host_id) and prefill.host_id == decode.host_id
-    order = candidates(path_class, same_host)
-    if allowed is not None:
-        order = [m for m in order if m in allowed] + [m for m in allowed if m not in order]
-    problems = []
-    for medium in order:
-        problem = check_medium(medium, prefill, decode)
-        if problem is None:
-            return medium, f"{medium} for the {path_class} path"
-        problems.append(f"{medium}: {problem}")
-    return None, "; ".join(problems) or f"no medium serves the {path_class} path"
+    choice = path_media.medium_for(
+        path_class,
+        MEDIA,
+        same_host(prefill, decode),
+        lambda medium: check_medium(medium, prefill, decode),
+        own=(real_medium(path_class), "tcp"),
+        allowed=allowed,
+    )
+    if choice.medium is not None:
+        return choice.medium, f"{choice.medium} for the {path_class} path"
+    problems = "; ".join(f"{medium}: {problem}" for medium, problem in choice.refused)
+    return None, problems or f"no medium serves the {path_class} path"
 
 
 def sink_address(decode: WorkerInfo, medium: str) -> str | None:
-    """Where ``decode``'s ``medium`` sink listens (tcp and engine media; None: not listed)."""
+    """Where ``decode``'s ``medium`` sink listens (tcp and arena media; None: not listed)."""
     if medium == "tcp":
         return decode.address if decode.address.startswith("tcp://") else None
     prefix = f"{medium}://"

@@ -37,10 +37,10 @@ from topkv.integrations.vllm.connector.layout import (
     scatter_tokens,
 )
 from topkv.integrations.vllm.connector.media import (
-    ENGINE_MEDIA,
+    ARENA_MEDIA,
     Offer,
-    engine_sink,
-    engine_source,
+    arena_sink,
+    arena_source,
     offered_media,
 )
 from topkv.integrations.vllm.connector.params import ConnectorSettings, shm_socket_path
@@ -120,9 +120,9 @@ class WorkerSide:
                 path = shm_socket_path(s.shm_dir, s.worker_id)
                 _remove_stale_socket(path)
                 self.sinks["shm"] = ShmSink(s.secret, path)
-            for medium in ENGINE_MEDIA:
+            for medium in ARENA_MEDIA:
                 if medium in media:
-                    self.sinks[medium] = engine_sink(medium, s)
+                    self.sinks[medium] = arena_sink(medium, s)
             log.info("topkv: decode sinks %s", [sink.address for sink in self.sinks.values()])
         if self.offer.unavailable:
             log.info("topkv: media not offered here: %s", self.offer.unavailable)
@@ -135,8 +135,8 @@ class WorkerSide:
                 self._sources[medium] = ShmSource(secret)
             elif medium == "tcp":
                 self._sources[medium] = TcpSource(secret)
-            else:  # an engine medium: its agent starts on the first send over it
-                self._sources[medium] = engine_source(medium, self.settings)
+            else:  # an arena medium: its agent starts on the first send over it
+                self._sources[medium] = arena_source(medium, self.settings)
         if spec.corrupt:  # fault injection, asked for by this request
             return CorruptingSource(self._sources[medium], 1.0, seed=spec.transfer_id)
         return self._sources[medium]
@@ -196,7 +196,7 @@ class WorkerSide:
                     "topkv: sent %s: %d B over %s in %.1f ms, layers queued at %s ms",
                     req_id,
                     result.size_bytes,
-                    result.transport,
+                    result.medium,
                     result.seconds * 1e3,
                     [round(t * 1e3, 2) for t in send.layer_s],
                 )
