@@ -2,29 +2,10 @@
 
 A bottom-layer module (it imports only :mod:`topkv.inputs` and :mod:`topkv.errors`): the
 simulator (:mod:`topkv.sim`) and the demo (:mod:`topkv.demo.workload`) both read traces
-through it.
-
-Formats (samples in ``topkv/data`` and ``tests/fixtures/traces``):
-
-* Azure LLM inference trace 2023 (code, conversation): CSV with header
-  ``TIMESTAMP,ContextTokens,GeneratedTokens``; timestamps are absolute date-times.
-* Mooncake FAST'25 traces: JSON lines with ``timestamp`` (ms), ``input_length``,
-  ``output_length`` (and ``hash_ids``, unused). Its timestamps are quantized (the
-  conversation trace to 3 s), so arrivals are spread uniformly over each quantum
-  (``jitter_s``) with a seeded generator, instead of arriving in bursts.
-* ServeGen rate files: one CSV per client (``chunk-N-trace.csv``), rows
-  ``window_start_s,rate_rps,cv,distribution,shape,scale``: the client's request rate and
-  inter-arrival distribution (Gamma or Weibull) in each window. Arrivals are drawn from that
-  distribution rescaled to the window's mean rate (its shape, hence its burstiness, kept).
-  The release has no per-request lengths, so prompt and output lengths are drawn from
-  log-normal distributions whose medians are parameters. Or every client in one *rate
-  table* (plain or gzip CSV, header ``client,window_start_s,rate_rps,distribution,shape``:
-  the columns arrivals are drawn from), as the packaged day of m-large
-  (:data:`topkv.packaged.SERVEGEN_DAY`).
-* Synthetic: Poisson or Gamma (given coefficient of variation) arrivals.
-
-A malformed row raises :class:`TraceFormatError` naming the file and line; a bad parameter
-or an unreadable trace :class:`TraceError` (both :class:`topkv.errors.ConfigError`).
+through it. Readers for the Azure 2023 CSV (:func:`read_azure_csv`), Mooncake JSON lines
+(:func:`read_mooncake_jsonl`) and ServeGen rate files or tables (:func:`read_servegen`), plus
+:func:`synthetic`, :func:`scale_rate` and :func:`load_trace`; bad input raises
+:class:`TraceFormatError` or :class:`TraceError`. The formats: docs/simulator.md ("Workloads").
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """The Adaptive Decoder Pool in the demo (``topkv demo --adp on|both``).
 
-The demo's orchestrator runs the live pool of :mod:`topkv.relay.adp`, the same policy
-object the simulator runs (:mod:`topkv.policy.adp.pool`). The demo feeds it each request's
-prompt tokens as it arrives, each first token's TTFT (from the request's arrival, so the
-time it waited for a prefill worker counts) and, every tick, its own prefill queue depth
-(requests arrived and not yet started on a prefill worker). Prefill work goes only to the
-workers the pool names (native prefill workers plus converted decode workers), and the
-decode admission counts only the workers registered as decode now.
-
-Time scale: the demo replays the trace ``speedup`` times faster than it was recorded, so
-the policy's time constants, which are set for trace time (docs/adp.md), shrink by the
-same factor: every window, the hold, the least time between conversions and the tick
-(1 s in the simulator); the queue-growth threshold, a rate, grows by it. A rush of
-minutes in the trace is then one of seconds in the demo. Thresholds that are ratios
-(the velocity spike, the release ratio, the cap, the chunked-prefill reserve) and the
-TTFT target (an SLO on real compute time, which the replay does not compress) stay.
+:class:`DemoPool` runs the live pool of :mod:`topkv.relay.adp` on the demo's orchestrator.
+The replay runs ``speedup`` times faster than the trace, so :func:`demo_adp_config` divides
+the policy's windows, hold and least time between conversions by it (and multiplies the
+queue-growth rate by it), as the tick (:data:`TRACE_TICK_S`). :class:`PairedRun` and
+:func:`pair_orders` run ``--adp both --repeats R`` as alternating pairs; the ``adp_*`` and
+``pairs_*`` functions report them. Why: docs/demo.md ("The Adaptive Decoder Pool in the demo").
 """
 
 from __future__ import annotations

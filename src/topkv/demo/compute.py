@@ -1,23 +1,11 @@
 """How the demo's workers compute: ``--compute real`` (default) or ``--compute paced``.
 
-Every demo worker stands for its own GPU in the deployment, but here all of them share this
-host's few CPU cores: with ``real`` compute a worker's pass slows down whenever another one
-computes, so the host cannot add prefill capacity when the ADP converts a decode worker
-(its extra prefill only time-slices the same cores).
-
-``paced`` emulates one device per worker: every worker runs with a compute pace ``C``
-(``topkv worker --compute-pace C``, :mod:`topkv.service.compute.pace`), each engine turn held
-until C times its own CPU time passed. ``C`` is derived, never picked: the compute threads
-of all the model workers the demo starts (workers x torch threads each) over the cores this
-process may run on (``len(os.sched_getaffinity(0))``), at least 1: the factor by which the
-host's cores are oversubscribed. All workers can then compute at once, each at 1/C of a
-core, and each turn lasts C times its uncontended compute whichever of the others compute,
-as the deployment's independent GPUs do. A turn the host could not hold to that (the
-contention it met exceeded C: other jobs, the orchestrator, the workers' own I/O threads)
-is an overrun; the summary counts them over the timed phase.
-
-The warm-up runs on the paced workers, so it measures the paced KV production rate, and
-the dilation follows from it: the links keep the stand-in's link-to-compute ratio.
+With ``real`` compute the workers share this host's cores, so the host cannot add prefill
+capacity when the ADP converts a decode worker. ``paced`` runs every worker with a compute
+pace ``C`` (:mod:`topkv.service.compute.pace`), derived as the host's oversubscription:
+model workers x torch threads over the usable cores, at least 1 (:func:`host_cores`,
+:class:`ComputeEmulation`). :class:`PacedTurns` counts the timed phase's turns and overruns;
+:func:`compute_json` and :func:`compute_text` report them. Why: docs/demo.md ("Paced compute").
 """
 
 from __future__ import annotations

@@ -1,23 +1,11 @@
 """The demo's time dilation, derived from the deployment it stands for.
 
-The demo's tiny model prefills on a CPU, so its KV cache appears far more slowly than a
-real model's on a GPU; its emulated links are slowed (*dilated*) so that what matters for
-the comparison, the ratio of link time to compute time, is the deployment's. For a path of
-per-GPU bandwidth ``B`` and a KV production rate ``r`` (bytes per second of prefill):
-
-* stand-in: each of the ``tp`` GPUs of a prefill instance produces its shard of the KV at
-  ``r_s / tp`` and sends it over its own link (as the simulator moves TP shards), so the
-  ratio is ``(r_s / tp) / B_s``;
-* demo: one worker is one GPU, its links are slowed ``d`` times: ``r_d * d / B_d``.
-
-The dilation equates them on the cross-node path (the uniform-RDMA baseline the comparison
-is about): ``d = (r_s / tp / B_s) / (r_d / B_d)``. ``r_s`` comes from the simulator's
-compute model over the run's prompt lengths and ``B_s`` from its cluster (both filled in
-above the demo, by :mod:`topkv.harness.stand_in`); ``r_d`` is measured in the demo's
-warm-up (:mod:`topkv.demo.warmup`) and ``B_d`` is the demo topology's path. The same-node
-path's ratios are reported beside it: where the stand-in's same-node path differs from the
-demo's emulated NVLink (a PCIe-only cluster), or it never pairs a prefill and a decode
-instance on one node, the note says so.
+The demo's tiny model makes its KV far more slowly on a CPU than a real model on a GPU, so its
+emulated links are slowed (*dilated*) until the ratio of link time to compute time on the
+cross-node path is the stand-in deployment's: ``d = (r_s / tp / B_s) / (r_d / B_d)``
+(:func:`derived_factor`, :func:`resolve_dilation`, from :class:`StandIn` and
+:class:`DemoLinks`; the result is a :class:`Dilation`). The derivation and what it cannot
+carry: docs/demo.md ("The time dilation").
 """
 
 from __future__ import annotations

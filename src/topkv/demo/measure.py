@@ -1,23 +1,11 @@
 """Per-request measurement: what the pipelined transfer cost, and what the model says.
 
-Every stamp is on the host's one monotonic clock (see :mod:`topkv.demo.protocol`).
-
-* ``prefill_ms``: the forward pass, ``forward_end - forward_start`` on the prefill worker.
-* ``transfer_ms``: from the first layer offered to the transport to the last layer landed
-  (and CRC-checked) at the decode worker.
-* ``exposed_ms``: ``max(0, last layer landed - forward_end)``: the transfer time prefill did
-  not hide.
-* ``serial_ms``: the same KV sent again as a whole after prefill (each layer offered at
-  once, link busy throughout): last layer landed minus the start of that send. This is the
-  exposed time without pipelining.
-* ``modelled_exposed_ms``: :func:`topkv.planner.simulate_pipeline` fed with this request's
-  measured per-layer compute (the intervals between the prefill worker's layer-ready stamps,
-  plus the tail from the last layer to the end of the forward pass, which sends nothing) and
-  the per-layer transfer times measured on the *serial* send of the same KV over the same
-  path (see :func:`link_times_from_serial`). The model's input does not come from the run
-  it predicts.
-* ``ttft_ms``: from the request's arrival to the decode worker starting its first step with
-  the verified KV and prefill's first token in hand (queueing included).
+From the workers' stamps on the host's one monotonic clock (see :mod:`topkv.demo.protocol`):
+``prefill_ms``, ``transfer_ms``, ``exposed_ms``, ``serial_ms`` and ``ttft_ms``, and
+``modelled_exposed_ms`` from :func:`topkv.planner.simulate_pipeline` fed with the request's
+measured per-layer compute and the link times of its serial send
+(:func:`link_times_from_serial`, so the model's input does not come from the run it
+predicts). Definitions: docs/demo.md ("What it measures").
 """
 
 from __future__ import annotations

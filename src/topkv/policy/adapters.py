@@ -1,24 +1,11 @@
 """From the discovered topology model to the policies' :class:`PairView`.
 
 This is the only module of :mod:`topkv.policy` that reads :mod:`topkv.topology`; the policies
-themselves see only the resulting view. Figures come from the topology's path ladder
-(:mod:`topkv.topology.paths`), so a pair's NVLink bandwidth is its bonded link count times
-the generation's rate, PCIe follows PIX/PXB/PHB/NODE/SYS, and RDMA is the NIC rate.
-
-Candidates for GPU ``a`` -> GPU ``b``:
-
-* a GPU fabric path (nvlink, nvswitch for an NVL72 domain, xgmi) when the model joins them;
-* within a node, a PCIe path (the discovered relationship when it is PCIe; for an NVLink
-  pair, whose PCIe relationship ``nvidia-smi topo -m`` does not print, NODE when both GPUs
-  sit on one NUMA node and SYS otherwise);
-* an RDMA path through each of the source GPU's nearest usable NICs, paired in turn with
-  the destination's nearest ones (within a node this is NIC loopback); its bandwidth is the
-  slower NIC's figure, capped by each GPU's PCIe path to its NIC (GPUDirect RDMA through a
-  SYS path is no faster than SYS);
-* a TCP path over the nodes' host networking.
-
-RDMA and TCP paths also cross both GPUs' PCIe ports, so they compete with PCIe copies of
-the same GPUs; NVLink paths occupy the GPUs' NVLink ports only.
+themselves see only the resulting view. :func:`pair_view_from_cluster` lists a GPU pair's
+candidate paths (GPU fabric, PCIe, RDMA through the nearest NICs, TCP) with figures from the
+topology's path ladder (:mod:`topkv.topology.paths`) and the links each occupies;
+:func:`cluster_from_json` reads a saved topology. The candidates: docs/policies.md ("The
+snapshot", where views come from).
 """
 
 from __future__ import annotations

@@ -1,22 +1,10 @@
 """Measured bandwidth per path: an EMA over completed transfers that fades when stale.
 
-Nominal figures (from the topology or the reference table) are only a starting point: a
-NIC may negotiate a lower rate, a PCIe switch may be shared, TCP may run far below line
-rate. The runtime reports each completed transfer with :meth:`BandwidthEstimator.record`;
-the cost policy asks :meth:`BandwidthEstimator.reading` for the figure to use.
-
-Model, per key ``(transport, links)``:
-
-* a sample is ``nbytes / (duration - chunks * setup_latency)``: the data rate with the
-  per-chunk setup taken out, since the cost formula adds setup back separately;
-* ``ema <- alpha * sample + (1 - alpha) * prior``, where ``prior`` is the current reading
-  (so an old EMA first fades towards nominal before it is blended with the new sample);
-* with age ``a`` since the last sample, the reading is
-  ``nominal + (ema - nominal) * 2 ** (-a / half_life)``; once that weight drops below
-  ``min_weight`` the measurement is forgotten and the reading is the nominal figure again.
-
-Time comes from the injected :class:`~topkv.policy.clock.Clock`, so the simulator and the
-tests drive staleness without sleeping.
+The runtime reports each completed transfer with :meth:`BandwidthEstimator.record`; the cost
+policy asks :meth:`BandwidthEstimator.reading` for the figure to use: the measured EMA per
+``(transport, links)`` while it is fresh, fading back to the path's nominal figure as it
+ages (:class:`NominalBandwidth` reads nominal figures only). Time comes from the injected
+:class:`~topkv.policy.clock.Clock`. The model: docs/policies.md ("Transport selection").
 """
 
 from __future__ import annotations

@@ -1,23 +1,11 @@
 """Prefix affinity: send a request where its prompt's prefix is probably still cached.
 
-An engine with prefix caching (vLLM's) keeps the KV of the prompts it served, block by
-block, until it needs the room. A request whose prompt starts like an earlier one is
-cheaper on the instance that served the earlier one: its prefill computes only the new
-tail, and a decode instance loads only the blocks it does not hold.
-
-The policy cannot see the engines' caches, so it remembers what it sent where:
-:func:`prefix_hashes` turns a prompt into chained hashes of its whole blocks (the hash of
-block ``i`` covers blocks ``0..i``, as vLLM's block hashes do, so equal hashes mean equal
-prefixes); :meth:`PrefixAffinity.record` notes an instance's blocks; a block is held for at
-most ``ttl_s`` after it was last used there (the engine may have evicted it since), and at
-most ``capacity_blocks`` per instance are remembered (least recently used go first).
-
-:meth:`PrefixAffinity.choose` picks among candidates: the one holding the longest prefix
-of the request, unless its load exceeds the least loaded candidate's by more than
-``max_load_gap`` (a warm cache is not worth queueing behind a busy instance); ties go to the
-lower load, then the id. With no candidate holding any of the prefix it returns None and
-the caller's own rule decides. Pure: time comes from the injected clock, and nothing here
-does I/O.
+The policy cannot see the engines' prefix caches, so it remembers what it sent where:
+:func:`prefix_hashes` turns a prompt into chained hashes of its whole blocks,
+:meth:`PrefixAffinity.record` notes an instance's blocks (held for a while, bounded per
+instance: :class:`AffinityConfig`), and :meth:`PrefixAffinity.choose` picks the candidate
+holding the longest prefix unless it is too busy. Pure: time comes from the injected clock,
+and nothing here does I/O. Why and the rules: docs/policies.md ("Prefix affinity").
 """
 
 from __future__ import annotations

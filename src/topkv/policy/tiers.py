@@ -1,23 +1,11 @@
 """KV memory tiers (paper §3.7): placement, demotion, promotion and disk admission.
 
 Pure and clock-injected: the live worker (:mod:`topkv.service.tiers.tiered`) and the simulator
-(:mod:`topkv.sim.tiers`) call the same functions.
-
-* **Tiers** are ordered fastest first (device, host DRAM / CXL, disk); each has a capacity
-  in bytes and nominal figures (latency, bandwidth).
-* **Tier model**: :class:`TierModel` keeps an EMA of measured reads and writes per tier (the
-  bandwidth through :class:`~topkv.policy.bandwidth.BandwidthEstimator`, which fades back to
-  the nominal figure when stale; the per-operation latency as a plain EMA of what is left
-  of each sample once its bytes are paid for).
-* **When is a sequence needed?** :func:`next_use_s` judges it by decode progress and the
-  queue: a sequence decoding now is needed now; the *i*-th waiting sequence is needed when a
-  decode slot frees for it, each running sequence freeing its slot after its remaining
-  tokens. Demotion evicts the sequence needed last (ties: the one used longest ago), which is
-  not plain LRU: a sequence just received but far back in the queue goes before an older one
-  about to decode.
-* **Placement**: the fastest tier with room; disk only where :func:`admit_to_disk` says so.
-* **Promotion** (prefetch): :func:`prefetch_order` lists the demoted sequences whose next
-  use is within the lookahead, soonest first, so the copy back ends before decode needs it.
+(:mod:`topkv.sim.tiers`) call the same functions. :class:`TierSpec` describes a tier
+(:data:`PAPER_TIERS`), :class:`TierModel` keeps measured figures per tier; :func:`next_use_s`
+says when each sequence is needed, and :func:`choose_victims`, :func:`place`,
+:func:`admit_to_disk` and :func:`prefetch_order` decide with it. The rules and why:
+docs/tiers.md ("Policies").
 """
 
 from __future__ import annotations

@@ -1,34 +1,10 @@
 """The Adaptive Decoder Pool, live: the orchestrator's side of :mod:`topkv.policy.adp.pool`.
 
-Every decision comes from :class:`~topkv.policy.adp.pool.AdaptiveDecoderPool`, the object the
-simulator runs too (:mod:`topkv.sim.adp`), on an injected clock. This module feeds it
-what the orchestrator sees and applies its plans to real workers:
-
-* observations: each request's prompt tokens as it arrives (:meth:`LiveAdaptivePool.
-  observe_arrival`), each first token's TTFT (:meth:`~LiveAdaptivePool.observe_ttft`, or
-  :meth:`~LiveAdaptivePool.delivered` from a delivered record), and at every
-  :meth:`~LiveAdaptivePool.tick` the prefill queue depth (default: the requests accepted
-  and not yet delivered) and one :class:`~topkv.policy.adp.pool.WorkerView` per registered
-  worker: its delivered KV as ``active_decode``, the transfers to or from it not yet
-  finished as ``unacked_kv``, its capacity as ``decode_slots``;
-* ``fence``: the orchestrator routes no new KV to the worker (:meth:`Orchestrator.fence`);
-  what is in flight to it finishes (or fails over) as usual;
-* ``to_prefill`` / ``to_decode``: a conversion task. The worker is fenced, told its new
-  role through a :class:`RoleSwitcher` (``POST /v1/role`` on the worker:
-  :meth:`~topkv.service.orchestrator.executor.RemoteExecutor.set_role`), which refuses while it
-  holds KV not yet acknowledged, keeps its decode sequences up to the chunked-prefill
-  reserve and re-registers it under the new role; the conversion is finished when the
-  orchestrator's registry view shows the new role. Its duration (decided to re-registered,
-  on ``timer``) is recorded and observed in ``topkv_conversion_seconds``;
-* ``drain``: a converted worker takes no new prefill (:meth:`LiveAdaptivePool.
-  prefill_workers` leaves it out; callers pick prefill sources from that list) until it is
-  converted back.
-
-No request is lost to a conversion: a worker is converted only with no KV in flight to or
-from it (the policy fences it first, the worker checks again), decode sequences it holds
-stay with it, and a worker that dies mid-conversion is only a failed conversion: its
-registration leaves, the orchestrator reroutes whatever was in flight to it, and the pool
-forgets it.
+:class:`LiveAdaptivePool` runs the policy object the simulator runs (:mod:`topkv.sim.adp`)
+on what the orchestrator sees (arrivals, TTFTs, the prefill queue, one ``WorkerView`` per
+worker) and applies its plans to real workers: it fences them, converts them through a
+:class:`RoleSwitcher` (``POST /v1/role``), drains them, and records each
+:class:`Conversion`. How and why: docs/adp.md ("Live, in the orchestrator").
 """
 
 from __future__ import annotations

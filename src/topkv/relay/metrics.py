@@ -1,27 +1,10 @@
 """Prometheus metrics of the relay, one :class:`CollectorRegistry` per orchestrator.
 
-Names (all prefixed ``topkv_``):
-
-* ``transfers_total{mode,outcome}``: finished transfers by transport and outcome
-  (delivered, failed, recompute, cancelled); ``mode`` is ``none`` when no attempt ran;
-* ``transfer_bytes_total{mode}``: bytes delivered per transport;
-* ``transfers_in_flight``: transfers holding a concurrency slot now;
-  ``transfers_queued``: submitted and waiting for a slot;
-* ``transfer_retries_total``, ``checksum_failures_total``, ``transfer_failovers_total``,
-  ``transfer_reroutes_total``, ``transfer_attempt_failures_total{kind}``;
-* ``transfer_seconds{mode}``: the successful attempt, start to verified copy;
-* ``handoff_seconds``: end to end, ``submit`` to the completion queued for decode;
-* ``transfer_throughput_gbps{mode}``: per delivered transfer, bytes / transfer_seconds.
-
-The Adaptive Decoder Pool (:class:`AdpMetrics`, on the same registry when it runs):
-
-* ``adp_rush``: 1 while a rush lasts, else 0;
-* ``adp_pool_workers{pool}``: workers serving the prefill and the decode pool now;
-* ``adp_converted_workers``: native decode workers serving prefill now;
-* ``conversions_total{from,to}``: finished conversions;
-  ``conversion_failures_total{from,to}``: conversions that did not finish (worker refused,
-  died, or never re-registered);
-* ``conversion_seconds{to}``: each finished conversion, decided to re-registered.
+:class:`RelayMetrics` holds the transfer metrics (``topkv_transfers_total``, bytes, in flight
+and queued, retries, failures, and the transfer, handoff and throughput histograms);
+:class:`AdpMetrics` adds the Adaptive Decoder Pool's on the same registry when it runs;
+:func:`serve_metrics` serves them (:class:`MetricsServer`). Every name and what it counts:
+docs/orchestrator.md ("Metrics").
 """
 
 from __future__ import annotations

@@ -1,28 +1,11 @@
 """The Adaptive Decoder Pool in simulated time: the simulator's side of
 :mod:`topkv.policy.adp.pool`.
 
-All decisions come from :class:`topkv.policy.adp.pool.AdaptiveDecoderPool` (the same object the
-live orchestrator uses), with the simulation's event loop as its clock. This module only
-feeds it observations and applies its plans to the simulated pools:
-
-* every ``adp_tick_s`` (1 s) of simulated time: the prefill queue depth and one
-  :class:`~topkv.policy.adp.pool.WorkerView` per decode instance (its running and waiting
-  sequences as ``active_decode``, the requests routed to it whose KV has not arrived plus,
-  for a converted one, the KV it prefilled that has not arrived as ``unacked_kv``);
-* a decode instance converted to prefill takes ``adp_conversion_s`` (10 s, the paper's
-  target) before it joins the prefill pool; it keeps decoding the sequences it holds
-  (at most the 30% reserve: the policy converts no busier worker) and gets no new ones;
-  one chosen while KV is still in flight to it is first fenced (no new requests routed
-  to it) and converted once that KV has arrived;
-* on it, prefill is chunked: a batch of ``T`` prompt tokens runs in ``ceil(T / 512)``
-  chunks, each at least one pass over the weights (the roofline's floor) and each carrying
-  one decode step of the resident sequences, whose steps in turn are longer by one chunk
-  while it prefills (Sarathi-style piggybacking, an analytical model like the rest);
-* converting back: a drained worker (no prefill in progress, its KV acknowledged) takes
-  ``adp_conversion_s`` and is then routed to again.
-
-Counted for the report: conversions (each role change), the fewest and most prefill
-workers at any time, ``(t, prefill workers, queue depth)`` per tick, and rush periods.
+:class:`AdpDriver` feeds the policy object the live orchestrator uses, on the event loop's
+clock, with the simulated pools' state every ``adp_tick_s`` and applies its plans to the
+simulation (:class:`AdaptiveHost`): conversions that take ``adp_conversion_s``, chunked
+prefill on a converted instance, and the counts the report shows. How: docs/adp.md
+("In the simulator").
 """
 
 from __future__ import annotations

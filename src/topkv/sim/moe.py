@@ -1,28 +1,10 @@
 """MoE serving in simulated time: expert-parallel decode, dispatch traffic, MoE routing.
 
-The run is :class:`~topkv.sim.runner.Simulation`'s, with three changes:
-
-* **Routing.** The decode instance comes from :class:`topkv.policy.moe.router.MoERouter` (the
-  object the live orchestrator uses, on the event loop's clock) over an expert snapshot
-  rebuilt every ``heartbeat_s`` from the instances' state, as a live registry is from
-  heartbeats; or, for the baseline ``least-loaded``, the instance with the least reserved.
-  The candidates are the least reserved instances of every expert-parallel group.
-* **Decode steps** (:mod:`topkv.sim.moe_setup` has sizes, activations and placement): a
-  step's roofline time splits into its dense part and its routed-expert part
-  (``expert_step_share``, 55% for DeepSeek-V3). The all-to-all waits for the busiest host,
-  so the expert part is scaled by ``max_h(H * share_h * slowdown_h)`` over the group's
-  ``H`` hosts (1 when the batch's activations are spread evenly and no host is slow).
-* **Dispatch traffic.** Each decode instance keeps two long-lived flows on the simulated
-  links: to the hosts in its own NVLink domain over its GPUs' NVLink ports, to the other
-  hosts of its group over its NICs. Their rate caps are the bytes a step sends over the
-  step's compute time (dispatch overlapped with compute); the links share them max-min
-  with the KV transfers, and a step lasts at least as long as its dispatch needs at the
-  rate it got, plus one setup latency per MoE layer there and back when it leaves the
-  domain.
-
-Stragglers: ``stragglers`` decode instances run their experts ``straggler_slowdown`` (5x)
-slower for the whole run: one per EP group in turn, group 0 (the one nearest the first
-prefill instances) first, the host inside a group drawn by the seed.
+:class:`MoESimulation` is :class:`~topkv.sim.runner.Simulation`'s run with decode routed by
+:class:`topkv.policy.moe.router.MoERouter` (or the ``least-loaded`` baseline), decode steps
+that wait for the busiest expert host of their group, and dispatch flows sharing the
+simulated links with the KV transfers; stragglers are set by :class:`MoESimOptions`.
+:func:`run_moe_routers` compares the routers. The model: docs/moe.md ("Simulator").
 """
 
 from __future__ import annotations

@@ -1,28 +1,11 @@
 """Decode memory with tiers (paper §3.7): HBM, then CXL, then NVMe, in simulated time.
 
-``topkv sim --tiers hbm,hbm+cxl,hbm+cxl+nvme`` runs each layout on the same requests and
-compares concurrency, goodput, TPOT p50/p99 and the bytes moved between tiers.
-
-Per decode instance (``tp`` GPUs of a node; the node's CXL endpoints and NVMe shared by its
-instances in proportion to their GPUs):
-
-* a request arrives at decode once its prefill is done (the roofline prefill time) and is
-  *admitted* when its whole KV (prompt + output tokens) fits in the instance's tiers:
-  without lower tiers decode memory is the hard limit, and the rest wait;
-* admitted sequences are placed with :func:`topkv.policy.tiers.place` (the fastest tier
-  with room); at most ``max_decode_batch`` decode at once, the others wait *idle* (a
-  waiting one may go to NVMe where :func:`~topkv.policy.tiers.admit_to_disk` allows);
-* a decode step reads every running sequence's KV where it lies: HBM bytes at HBM speed
-  (the roofline of :class:`~topkv.sim.compute.ComputeModel`), CXL bytes at the CXL
-  bandwidth, added to the step; a sequence on NVMe is promoted (its bytes at NVMe speed,
-  stalling the step) before it may run;
-* when HBM is short, the least soon needed sequence is demoted
-  (:func:`~topkv.policy.tiers.choose_victims`, needed-in from
-  :func:`~topkv.policy.tiers.next_use_s`), and a finished one's HBM goes to the one
-  needed next (promotion). Every move is counted in ``bytes_moved``.
-
-The tier figures start from the paper's Table 3 (:data:`topkv.policy.tiers.PAPER_TIERS`);
-:func:`calibrated` replaces them with what ``benchmarks/tiers.py --json`` measured.
+``topkv sim --tiers hbm,hbm+cxl,hbm+cxl+nvme`` runs each layout on the same requests
+(:func:`compare_layouts`, :func:`run_tier_layout`) and compares concurrency, goodput, TPOT
+p50/p99 and the bytes moved between tiers. :class:`DecodePool` is one decode instance's
+tiers, placing, demoting and promoting with :mod:`topkv.policy.tiers`; the figures start from
+the paper's Table 3, or this host's (:func:`calibrated`). The model: docs/tiers.md
+("Simulator").
 """
 
 from __future__ import annotations

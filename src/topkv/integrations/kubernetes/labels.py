@@ -1,26 +1,12 @@
 """The ``topkv.io/*`` labels and annotations ``topkv label-node`` publishes for one node,
 and the merge patch that sets them on its Node object. Pure: no API calls.
 
-Labels (the set ``topology.detect.k8s`` reads back; docs/kubernetes.md):
-
-=================================  =========================================================
-``topkv.io/nvlink-domain``          the first NVLink domain's id (``/`` becomes ``.``)
-``topkv.io/nvlink-domain-kind``     ``NVL72``, ``NVL8`` or ``none``
-``topkv.io/gpu-count``              GPUs found
-``topkv.io/gpu-model``              the GPU model, spaces as ``-`` (``NVIDIA-H100-80GB-HBM3``)
-``topkv.io/rdma-nics``              RDMA device names joined by ``.`` (``mlx5_0.mlx5_1``)
-``topkv.io/cxl-tier``               ``numa<N>`` of the CXL memory tier, ``present``, or ``none``
-``topkv.io/topology-hash``          the first 40 hex digits of the SHA-256 of the topology
-=================================  =========================================================
-
-Annotations: ``topkv.io/topology`` (the full topology JSON whose hash the label holds) and
-``topkv.io/rdma-nics`` (the whole NIC list, also when it is too long for a label).
-
-Every label is checked against Kubernetes' syntax (key: optional DNS prefix, name of at most
-63 characters; value: at most 63 characters of ``[A-Za-z0-9._-]``, alphanumeric at both
-ends) before it enters a patch. A value that cannot be made to fit is left out (and said
-in :attr:`LabelPatch.skipped`), never sent. ``topkv.io/*`` labels on the node that this run
-does not set are removed (``null`` in the merge patch); other labels are not touched.
+:func:`node_labels` turns a discovered node into a :class:`LabelPatch`: the labels
+``nvlink-domain``, ``nvlink-domain-kind``, ``gpu-count``, ``gpu-model``, ``rdma-nics``,
+``cxl-tier`` and ``topology-hash`` (the set :mod:`topkv.topology.detect.k8s` reads back), and
+the :data:`TOPOLOGY_ANNOTATION` and :data:`NICS_ANNOTATION` annotations;
+:meth:`LabelPatch.merge_patch` checks every label (:func:`check_label`) and removes stale
+``topkv.io/*`` ones. Values and rules: docs/kubernetes.md ("Node labels").
 """
 
 from __future__ import annotations

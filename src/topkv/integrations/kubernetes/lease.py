@@ -1,24 +1,11 @@
 """Kubernetes backend of leader election: a ``coordination.k8s.io/v1`` Lease, through
 ``lightkube`` (the ``kubernetes`` extra), with client-go's ``LeaseLock`` semantics.
 
-One try (client-go ``tryAcquireOrRenew``):
-
-1. GET the Lease; 404: CREATE it held by this candidate (``leaseTransitions`` 0); a 409
-   there means another candidate created it first: this try lost.
-2. Held by someone else and not expired: respect it. *Expired* is judged as client-go does,
-   on the local clock: the record has not changed for ``leaseDurationSeconds`` since this
-   candidate first observed it (no trust in the holder's clock). A record whose
-   ``renewTime`` is older than twice its duration by this clock is expired at once (an
-   unknown holder that is long gone: one lease of slack covers clock skew).
-3. Otherwise UPDATE (PUT) it with this holder, ``renewTime`` now, ``acquireTime`` and
-   ``leaseTransitions + 1`` when the holder changes. The PUT carries the
-   ``resourceVersion`` read in 1, so of two concurrent updates the API server takes one and
-   answers the other 409 (optimistic concurrency): that try lost.
-
-The epoch of a leadership is ``leaseTransitions``. The holder's address is kept in the
-Lease annotation ``topkv.io/leader-address``. Every API failure (403, 409, 5xx, timeouts)
-becomes a :class:`~topkv.relay.leader.base.LeaderElectionError` with one clear line; the election
-loop retries it with bounded backoff.
+:class:`KubernetesLeaseBackend` tries to acquire or renew the Lease (:data:`DEFAULT_LEASE_NAME`)
+as client-go's ``tryAcquireOrRenew`` does, judging expiry on the local clock and updating with
+the ``resourceVersion`` read (optimistic concurrency). The epoch is ``leaseTransitions``; the
+holder's address is in :data:`ADDRESS_ANNOTATION`. The rules: docs/kubernetes.md ("Leader
+election").
 """
 
 from __future__ import annotations

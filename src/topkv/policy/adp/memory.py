@@ -1,32 +1,10 @@
 """Adaptive Decoder Pool: the rules that weigh decode KV memory (paper §3.5, issue #15).
 
-:func:`topkv.policy.adp.pool.plan_conversions` calls these; they are pure, like the rest of the
-policy. Both need the decode workers' KV memory (:attr:`WorkerView.kv_used` and
-:attr:`WorkerView.kv_capacity`, in any one unit); a caller that reports none (capacity 0,
-as the live orchestrator does today) gets the slot-based rules alone.
-
-* **KV projection** (:func:`kv_fits`). A decode worker is converted only if the KV the
-  decode pool holds now, scaled by the growth of the prefill pool the conversion makes
-  (``(P + k) / P`` for ``k`` more prefill workers on ``P``), fits the KV capacity of the
-  decode workers left open. A request holds its decode KV from its routing to the end of
-  its decode, so the KV in use is the prefill pool's output rate times that holding time;
-  ``k`` more prefill workers raise the rate by at most ``(P + k) / P``. A worker still
-  fenced is checked again before it converts (the load may have grown since it was chosen)
-  and opened again if it no longer fits. No threshold: the rule compares two amounts.
-* **Decode-bound return** (:func:`decode_bound`). During a rush, when requests wait while a
-  prefill worker is idle (the caller's ``decode_blocked``: no open decode worker has KV room
-  for the next request), decode is the bottleneck: every converted worker's prefill adds
-  nothing, and its decode memory is missing. The pool then converts converted workers back,
-  one per update under the usual rate limit, idle ones only (never one with KV not
-  acknowledged or prefill in progress), opens fenced ones, and converts nobody new. No
-  threshold either: the signal is a fact of routing, not a level of memory use.
-* **Projected return** (:func:`kv_runs_out`). The same return, before requests block: when
-  the decode KV in use, grown at its recent rate (``growth``: the caller's slope over the
-  queue window times the time a returning worker takes to serve decode again, one
-  conversion), no longer fits the open decode capacity, decode will be the bottleneck by
-  the time a worker turned back now could help, so one is turned back now. The KV
-  projection (:func:`kv_fits`) counts the same growth before it converts anyone. No
-  threshold: the growth is measured and the horizon is the caller's conversion time.
+Pure functions that :func:`topkv.policy.adp.pool.plan_conversions` calls: the KV projection
+(:func:`kv_fits`), the decode-bound return (:func:`decode_bound`) and the projected return
+(:func:`kv_runs_out`). They read the decode workers' :attr:`WorkerView.kv_used` and
+:attr:`WorkerView.kv_capacity`; a caller that reports no capacity gets the slot rules alone.
+Why and what they measured: docs/adp.md ("The decode KV memory rules").
 """
 
 from __future__ import annotations

@@ -1,60 +1,11 @@
 """Adaptive Decoder Pool (paper §3.5): decode workers turn into prefill workers in a rush.
 
-One decision logic for the simulator and the live orchestrator. Pure and clock-injected:
-the caller feeds observations (prompt tokens arriving, first tokens out, the prefill
-queue depth) and a snapshot of its workers, and gets back a :class:`ConversionPlan`;
-nothing here reads a clock of its own, sleeps or does I/O.
-
-Pieces:
-
-* :class:`TokenVelocity`: an exponential moving average of the token arrival rate,
-  ``r <- r * exp(-dt / window) + tokens / window``, bias-corrected for the time since it
-  started (as Adam corrects its moments) so a fresh estimator reads the true rate, not
-  a rate ramping up from zero. A constant arrival rate reads as that rate.
-* :class:`RushDetector`: three signals, each against its own threshold:
-
-  1. growth rate of the prefill queue depth (requests/s over a window);
-  2. velocity spike: a fast token-velocity EMA over a slow one (a ratio);
-  3. P99 TTFT of the first tokens seen in a window over the TTFT target.
-
-  A rush *starts* when at least ``min_signals`` (2) of the 3 pass together. It *ends*
-  only once every signal has stayed below its threshold, and the fast velocity at or
-  below ``release_velocity_ratio`` (80%) of its value at the rush's start, for ``hold_s``
-  without a break (a Schmitt trigger: 2 to enter, 0 to leave, plus a hold), so the pools
-  do not flap when converted workers drain the queue and the signals drop while the
-  load that caused the rush is still there.
-* :func:`plan_conversions`: while the start condition holds, convert one more decode
-  worker to prefill per update (idle first, then the least loaded), never beyond
-  ``max_convert_share`` of the native decode pool and never the last decode worker;
-  hold the converted set while the rush lasts without pressure; convert everything back
-  once the rush has ended. A worker holding KV not yet acknowledged (a transfer in flight
-  to or from it) is never converted, in either direction: a decode worker chosen while it
-  has some is *fenced* (the caller routes no new KV to it) and converted on a later update
-  once its KV is acknowledged; a worker whose in-flight decode exceeds what chunked
-  prefill keeps (``decode_reserve`` of its slots) is not converted to prefill either: if
-  chosen, it is fenced the same way (no new sequences) until its decode drains to the
-  reserve; a converted worker still prefilling is *drained* (takes no new prefill)
-  and converted back on a later update. *Decode headroom*: a worker is chosen only if the
-  decode workers left open keep more decode slots than the decode pool uses now
-  (sequences decoding plus KV on its way: :func:`decode_in_use`), at least one spare for
-  the converted worker's first request. Every request a prefill worker takes holds a
-  decode slot from the moment it is routed (its KV streams to that slot while it is
-  computed) until its decode ends, so throughput is at most the open slots over that
-  holding time: with ``S`` slots left and ``U`` in use, a conversion changes throughput
-  by at most ``S / U``, a loss for ``S < U`` and nothing for ``S = U``, whatever prefill
-  the converted worker adds. Where decode slots are plentiful (hundreds per instance in
-  the simulator) this never binds; with the demo's 2 slots per decode worker it forbids
-  converting one of two in a rush (2 slots left, at least 2 in use: one per busy
-  prefill worker). Where the caller reports decode KV memory, two more rules weigh it
-  (:mod:`topkv.policy.adp.memory`): the *KV projection* (convert only if the decode KV in
-  use, scaled by the prefill pool's growth, fits what the open decode workers hold; checked
-  again for a fenced worker) and the *decode-bound return* (in a rush, requests waiting
-  while a prefill worker idles for want of decode room turn converted workers back).
-* Chunked prefill on a converted worker: ``chunk_tokens`` (512) per iteration, with
-  ``decode_reserve`` (30%) of its decode slots kept for the sequences it was decoding,
-  so a converted worker never abandons them (:meth:`ADPConfig.reserved_slots`).
-
-Every default below is documented where it is set, with the reason for its value.
+One decision logic for the simulator, the live orchestrator and the vLLM front door, pure
+and clock-injected: the caller feeds observations (prompt tokens arriving, first tokens out,
+the prefill queue depth) and a snapshot of its workers (:class:`WorkerView`), and gets back a
+:class:`ConversionPlan`. Pieces: :class:`TokenVelocity`, :class:`RushDetector`,
+:func:`plan_conversions` and :class:`AdaptiveDecoderPool`; defaults in :class:`ADPConfig`.
+The rules, their defaults and why: docs/adp.md.
 """
 
 from __future__ import annotations

@@ -1,31 +1,10 @@
 """What MoE routing knows about expert replicas: a fresh snapshot, stragglers, load factors.
 
 An :class:`ExpertReplica` is one copy of one expert (``layer``, ``expert``) on one worker,
-with the statistics that worker last reported. :meth:`ExpertSnapshot.build` keeps the
-entries that are fresh at the injected time (a worker that missed its heartbeats stops
-counting), flags stragglers and answers, per NVLink domain, which replica serves each
-expert and what it costs (:class:`DomainTable`, cached: the router asks it per request).
-
-Defaults (:class:`MoEWeights`), and why:
-
-* ``stale_after_s = 30``: three heartbeats of the default 10 s lease; an entry older than
-  that belongs to a worker whose lease has run out (the registry drops it too).
-* ``straggler_factor = 2.0``: a replica whose compute latency is over twice its reference
-  is a straggler. The reference is the lower quartile of the measured (non-zero) latencies
-  of the same expert's replicas when it has two or more (the same weights on the same
-  traffic: the fairest comparison), else of all fresh replicas (the baseline). A lower
-  quartile, not a median: with two replicas of which one is slow, the median sits between
-  them. Only a host with at least half of its measured replicas over the threshold is a
-  straggler (a slow host; a lone slow replica on a fast host is timing noise).
-  Expert compute is the same GEMM shape everywhere, so healthy replicas sit within a few
-  tens of percent of each other (batch noise); 2x is far outside that and well inside the
-  5-10x of a throttled or contended GPU.
-* ``rate = 0.4, compute = 0.4, queue = 0.2`` (the load factor's weights): activation rate
-  (share of the mean rate) and normalised compute latency (share of the baseline) say how
-  busy a replica will be per step, equally; queue depth (over ``queue_norm``) says how far
-  behind it already is, and weighs less because it is the noisiest (one step's snapshot).
-* ``queue_norm = 8``: queue depth counted in units of 8 pending batches, a decode
-  engine's usual look-ahead, so a queue of 8 weighs like a doubled compute latency.
+with the statistics that worker last reported. :meth:`ExpertSnapshot.build` keeps the entries
+fresh at the injected time, flags stragglers and answers, per NVLink domain, which replica
+serves each expert and what it costs (:class:`DomainTable`, cached). Weights and thresholds
+are :class:`MoEWeights`; their defaults and why: docs/moe.md ("Weights and thresholds").
 """
 
 from __future__ import annotations

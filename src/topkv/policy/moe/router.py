@@ -1,30 +1,11 @@
 """MoE-aware decode routing (paper §3.6): four strategies over one expert snapshot.
 
-Where a request decodes decides two costs: how far its KV cache travels (once) and how
-far every decode step's expert dispatch travels (per token). The strategies weigh them
-differently; all read an :class:`~topkv.policy.moe.experts.ExpertSnapshot` (fresh
-replicas at the injected clock's time, stragglers flagged), the decode targets, and the
-same link-load snapshot and transfer estimates the transport policy uses:
-
-* ``cache-affinity``: a target that already holds the request's KV, else the cheapest KV
-  transfer (the plain :class:`~topkv.policy.route.RoutingPolicy` cost);
-* ``expert-locality``: the target whose NVLink domain hosts the largest share of the
-  experts the request is expected to activate (from per-expert rates, or the prompt's
-  routing when known);
-* ``load-balance``: the lowest activation-weighted load factor (rate, normalised compute
-  latency, queue depth; weights in :class:`~topkv.policy.moe.experts.MoEWeights`), and a
-  target whose own domain serves a straggling expert is avoided while another is not;
-* ``cost`` (the default): the lowest ``kv_s + dispatch_s + queue_s``: the KV transfer's
-  estimate, the decode's expected dispatch time (per token: each host's bytes over the
-  estimated path from the target, plus the activations times the slowest serving
-  replica's compute latency and queue, since each layer's all-to-all waits for its slowest
-  host; times the tokens to decode), and the target's expected wait, stretched by the
-  slowest host's latency over the baseline (the wait is counted in the target's steps,
-  which a straggler in its group lengthens).
-
-Ties (within a relative ``1e-9``) go to the least loaded target, then the smallest worker
-id, so a decision is deterministic. A target is eligible when healthy, with a free slot,
-and not excluded; with no eligible target the router answers None.
+:class:`MoERouter` picks a decode target for a :class:`MoERequest` by one of
+:data:`STRATEGIES` (``cache-affinity``, ``expert-locality``, ``load-balance``, ``cost``, the
+default), weighing how far the request's KV travels (once) against how far every decode
+step's expert dispatch travels (per token); it reads an
+:class:`~topkv.policy.moe.experts.ExpertSnapshot` and answers a :class:`MoEDecision`, or None
+with no eligible target. The strategies and their terms: docs/moe.md ("The strategies").
 """
 
 from __future__ import annotations

@@ -1,35 +1,11 @@
 """What a worker computes: the engine behind ``topkv worker --engine synthetic|hf``.
 
-A worker holds KV caches and moves them; its *engine* produces a prefill's KV layer by layer
-and, on a decode worker, continues generation from KV that arrived.
-
-* :class:`SyntheticEngine` (``--engine synthetic``, the default): deterministic pseudo-random
-  bytes seeded by request id and model id (:func:`~topkv.service.kvstore.synthetic_layers`),
-  any layout; it cannot decode. It never imports torch.
-* :class:`HfEngine` (``--engine hf --model-path DIR | --demo-model SEED``): a Hugging Face
-  transformers model through :mod:`topkv.engine` (torch is imported only here, when the
-  engine is built). One forward pass per prefill; its per-layer hook publishes each layer's
-  K and V the moment the layer returns, so a send streams layer *i* while later layers
-  compute; decode rebuilds the model's cache from received K/V and continues greedily.
-
-:class:`WorkerEngine` is what :class:`~topkv.service.worker.service.WorkerService` calls:
-
-* ``plan(request_id, body)`` checks a prefill request and says what KV it will produce
-  (cheap, on the event loop; :class:`EngineRequestError` for a request this engine cannot
-  serve);
-* ``prefill(plan, publish)`` runs it (blocking, on a worker thread), calling
-  ``publish(layer, tensors, crcs)`` once per layer, in order; returns prefill's first token
-  (None for the synthetic engine);
-* ``decode(kv, first_token, max_new_tokens)`` generates tokens from a held KV (blocking).
-
-``serial`` engines (a model) run one forward pass at a time (:class:`EngineTurns`), on their
-own threads (``threads`` of them): an unchunked prefill, a reference generation and a decode
-each take one turn; a chunked prefill (a converted decode worker) takes one turn per chunk,
-and a decode lets a waiting chunk go between its steps, so the decode sequences a converted
-worker keeps go on decoding between its prefill's chunks instead of waiting for the whole
-prompt. With a compute pace (``--compute-pace C``, :mod:`topkv.service.compute.pace`) every
-turn is held until C times its own CPU time passed, so the worker computes as its own
-device would, whatever other processes share the host's cores.
+:class:`WorkerEngine` is what :class:`~topkv.service.worker.service.WorkerService` calls
+(``plan``; ``prefill``, publishing the KV layer by layer; ``decode``). :class:`SyntheticEngine`
+(deterministic bytes, never torch) and :class:`HfEngine` (a transformers model through
+:mod:`topkv.engine`) implement it; :func:`build_engine` makes one from an :class:`EngineSpec`.
+:class:`EngineTurns` gives a model one forward pass at a time, paced with ``--compute-pace``
+(:mod:`topkv.service.compute.pace`). How: docs/services.md ("What a worker is").
 """
 
 from __future__ import annotations

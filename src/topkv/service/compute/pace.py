@@ -1,31 +1,11 @@
 """Paced compute: each engine turn lasts C times its own CPU time (``--compute-pace C``).
 
-A worker stands for one GPU of a deployment, but on a test host several workers share a
-few CPU cores, so a worker's compute slows down whenever another one computes: adding a
-worker (an ADP conversion) cannot add compute there, while on the deployment every worker
-brings its own device. With a compute pace ``C`` (a float >= 1) every engine turn (a
-prefill pass, a prefill chunk, a decode's run of steps between two yields: one span the
-model is held, :class:`~topkv.service.compute.engines.EngineTurns`) is held, *still holding the
-model*, until ``wall_start + C * cpu_used``, where ``cpu_used`` is the CPU time the
-computing thread spent in the turn (``time.thread_time()``). The worker runs torch with one
-intra-op thread (checked: ``torch.get_num_threads() == 1``, :func:`check_torch_threads`),
-and that thread is the calling one, so the thread's CPU time is all the turn's compute
-(measured: ``thread_time`` and ``process_time`` agree over a demo forward pass).
-
-CPU time does not grow while the thread waits for a core, so a turn then lasts ``C`` times
-its uncontended compute whatever the other processes do, as long as the contention it
-meets stays under ``C`` (the emulated device is busy for that long, then free): each worker
-behaves as its own device, ``C`` times slower than this host's core. A turn whose wall time
-already exceeds ``C * cpu_used`` before any hold is an *overrun*: the emulation did not hold
-for it (the host was more contended than ``C``, or the thread waited for the GIL); turns,
-overruns and the overrun seconds are counted (:class:`PaceStats`, ``GET /v1/info`` under
-``engine.compute_pace``, ``GET /metrics`` ``topkv_engine_paced_turns_total``,
-``topkv_engine_pace_overruns_total``, ``topkv_engine_pace_overrun_seconds_total``).
-
-Layers are held too (:meth:`ComputePacer.hold`): a prefill publishes each layer only once
-``C`` times the turn's CPU time so far has passed, so a layer-by-layer stream sees the
-layers when the emulated device would have made them. The wait sleeps (never spins) and
-uses no CPU to speak of.
+On a test host several workers share a few cores, so a worker's compute slows down whenever
+another computes. Paced, every engine turn is held (still holding the model) until
+``wall_start + C * cpu_used``, so each worker behaves as its own device, C times slower than a
+core. :class:`ComputePacer` holds turns and layers, :class:`PaceStats` counts turns and
+overruns (:class:`PaceCollector` exports them), :func:`check_pace` and
+:func:`check_torch_threads` check the settings. Why and how: docs/demo.md ("Paced compute").
 """
 
 from __future__ import annotations

@@ -1,26 +1,11 @@
 """Block-layout packing: vLLM's paged KV cache of one layer <-> TopKV's wire layout.
 
-The wire carries one layer as K then V, each ``[tokens][kv_heads][head_dim]`` row-major
-(``topkv.transport.base``). vLLM keeps a layer's KV in pages of ``block_size`` tokens; how
-K and V sit inside a page depends on the attention backend. Every layout here is a pure
-view: :func:`kv_views` turns the layer tensor into K and V views of shape
-``[num_blocks, block_size, kv_heads, head_dim]`` without copying, whatever the tensor's
-strides, so one gather and one scatter serve every backend.
-
-Layouts (the logical shape vLLM hands to ``register_kv_caches``):
-
-* ``cpu-packed``: ``[num_blocks, kv_heads, block_size, 2 * head_dim]``; each
-  ``(block, head)`` page is one contiguous run: the page's keys, then its values. The CPU
-  kernels (``cpu_attn_reshape_and_cache``, ISAs vec and vec16, measured on vLLM 0.32.0) keep
-  the keys transposed, ``[head_dim][block_size]``, and the values ``[block_size][head_dim]``.
-  The AMX kernel (bfloat16 on CPUs with AMX tiles) packs pages its own way: not supported.
-* ``cuda-split``: the same logical shape; FlashAttention, FlashInfer and Triton in vLLM
-  >= 0.32 split the last axis: ``[..., :head_dim]`` keys, ``[..., head_dim:]`` values,
-  token by token.
-* ``flash-attn``: ``[2, num_blocks, block_size, kv_heads, head_dim]`` (FlashAttention
-  before vLLM's unified 4-D cache).
-* ``flashinfer``: ``[num_blocks, 2, block_size, kv_heads, head_dim]`` (FlashInfer NHD
-  before the unified cache).
+The wire carries one layer as K then V, each ``[tokens][kv_heads][head_dim]`` row-major;
+vLLM keeps a layer's KV in pages of ``block_size`` tokens, laid out as the attention backend
+wants (:class:`BlockLayout`: ``cpu-packed``, ``cuda-split``, ``flash-attn``, ``flashinfer``;
+:func:`parse_layout`). :func:`kv_views` views any of them as K and V without copying, so
+:func:`gather_tokens` and :func:`scatter_tokens` serve every backend. The layouts:
+docs/vllm.md ("Block layouts").
 """
 
 from __future__ import annotations

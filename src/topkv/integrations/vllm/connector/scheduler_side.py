@@ -1,23 +1,11 @@
 """The connector's scheduler half: which requests send or load KV this step, and when their
 blocks may be freed. Runs in vLLM's scheduler; moves no bytes (the worker half does).
 
-Prefill (``do_remote_decode``): once a step computes the rest of a request's prompt, the
-step's metadata carries a :class:`SaveSpec`; the worker half streams every layer during
-that forward pass. ``request_finished`` keeps the blocks (delayed free) until the worker
-reports the destination's acknowledgement of a verified copy (or the transfer's failure).
-
-Decode (``do_remote_prefill``): ``get_num_new_matched_tokens`` claims the prompt tokens not
-already cached here as an asynchronous load; ``update_state_after_alloc`` turns the
-allocated blocks into a :class:`LoadSpec`. When the worker reports the load finished, the
-blocks it could not fill (corrupt, missing, late) come back as vLLM's invalid blocks and
-vLLM recomputes them; ``request_finished`` then returns what happened under
-``kv_transfer_params.topkv`` (bytes, verified, recomputed).
-
-Reports (``{"topkv": {"report_of": TRANSFER_ID}}``): vLLM puts ``kv_transfer_params`` only
-in whole answers, never in a stream, so the front door asks for a streamed request's load
-report with a one-token request carrying these parameters; its ``request_finished``
-answers with the report of that transfer (once its load finished; the last
-:data:`REPORTS_KEPT` are kept) under ``kv_transfer_params.topkv.report``.
+:class:`SchedulerSide` puts a :class:`SaveSpec` in a prefill's step metadata
+(``do_remote_decode``) and a :class:`LoadSpec` in a decode's (``do_remote_prefill``), delays
+freeing a prefill's blocks until its copy is acknowledged, hands vLLM back the blocks a load
+could not fill, and answers ``{"topkv": {"report_of": ID}}`` requests with a load report (the
+last :data:`REPORTS_KEPT` kept). How: docs/vllm.md ("The connector").
 """
 
 from __future__ import annotations

@@ -1,40 +1,10 @@
 """The front door's Adaptive Decoder Pool: ``kv_both`` vLLM instances move between pools.
 
-vLLM has no role endpoint, but an instance started with ``kv_role`` ``kv_both`` (and the
-connector's ``role`` ``decode``, so it has its sinks) can both produce and consume KV: which
-pool it serves is only a front-door decision. :class:`FrontDoorADP` makes it with the same
-pure policy the orchestrator and the simulator run (:class:`~topkv.policy.adp.pool.
-AdaptiveDecoderPool`: the token-velocity EMA, the 2-of-3 rush detector with hysteresis, the
-conversion plan with its share cap), fed with what the front door sees:
-
-* each request's prompt tokens as it is admitted (:meth:`FrontDoorADP.admit`), its TTFT
-  when the decode instance answers, and at every :meth:`~FrontDoorADP.tick` the prefill
-  queue depth: requests admitted whose prefill has not finished;
-* one :class:`~topkv.policy.adp.pool.WorkerView` per registered instance: a native prefill
-  instance as native prefill; a movable (``kv_both``) one as native decode, with the decode
-  answers and streams it serves now as ``active_decode``, the KV not yet acknowledged to or
-  from it (routed, and the decode not yet answering) as ``unacked_kv``, its registered
-  capacity as ``decode_slots``. Plain decode instances (``kv_consumer``) cannot produce KV:
-  they are in the view as native decode workers that are not convertible
-  (``WorkerView.convertible`` False), so their slots count for the decode headroom and the
-  share cap (``max_convert_share`` of all decode instances, never the last) while only the
-  movable ones are ever chosen.
-
-The plan is applied to the picker's pools (:meth:`FrontDoorADP.workers`, which the picker
-reads instead of the registry's roles): a *fenced* instance takes no new decode (its KV and
-streams finish where they are) and moves once they are done; a *converting* or *returning*
-one takes nothing new while its record changes; a *converted* one serves prefill, keeping the
-decode streams it had; a *draining* one takes no new prefill and returns once its prefills
-are done. No request is lost: nothing is moved while KV to or from it is unacknowledged, and
-a request in flight finishes on the instances it was routed to.
-
-A move is recorded in the registry (a :class:`RoleWriter` rewrites the instance's record with
-the new role: the orchestrator's ``GET /v1/workers`` shows it) and is finished when the
-registry the front door reads shows it; its time (decided to shown) is measured on
-``timer`` and observed in the orchestrator's ADP metric names (:class:`~topkv.relay.metrics.
-AdpMetrics`: ``topkv_adp_rush``, ``topkv_adp_pool_workers{pool}``, ``topkv_conversions_total``,
-``topkv_conversion_seconds``) on the front door's ``/metrics``. An instance that re-registers
-with its native role (its lease ran out) is rewritten again at the next tick.
+:class:`FrontDoorADP` runs the policy of :mod:`topkv.policy.adp.pool` on what the front door
+sees, applies its plans to the picker's pools (:meth:`FrontDoorADP.workers`) and records each
+move in the registry through a :class:`RoleWriter`; :func:`front_door_adp` builds it from
+:class:`AdpOptions`. How and why: docs/vllm.md ("Adaptive Decoder Pool over ``kv_both``
+instances").
 """
 
 from __future__ import annotations

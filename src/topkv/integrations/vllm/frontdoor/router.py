@@ -1,31 +1,11 @@
 """The OpenAI-compatible front door over vLLM instances that run TopKVConnector.
 
-Served by ``topkv router`` (its own process rather than the orchestrator: it proxies
-long-lived streams to vLLM and holds the vLLM instances' registrations, which the
-orchestrator's transfer API neither needs nor should carry). Endpoints:
-
-* ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream`` true or false): the
-  picker (:mod:`.picker`) chooses a prefill and a decode instance; the prefill instance
-  runs the prompt with ``max_tokens`` 1 and ``kv_transfer_params`` naming the destination
-  (it streams every layer to it while it computes); the decode instance then runs the
-  request with ``kv_transfer_params`` naming the transfer, and its answer (or stream) goes
-  back to the client as it comes. A decode instance that cannot be reached is dropped from
-  the registry and the request is tried once more on another; none left: 503. A stream that
-  breaks off continues on another decode instance, and gets the decode's load report in
-  its last chunk (:mod:`.stream`).
-  Every decode answer carries ``X-TopKV-Transfer-Id``, ``-Medium``, ``-KV-Bytes-Sent``
-  (what the prefill reported), ``-Prefill`` and ``-Decode`` (the instances): a streamed
-  answer has no ``kv_transfer_params``. A request's ``X-TopKV-Medium: nixl`` (or a
-  comma-separated list) lets only those media carry its KV; one that no instance pair
-  offers: 503.
-* ``GET /v1/models``: a decode instance's list. ``GET /metrics``: Prometheus text.
-* ``/v1/workers`` (register, heartbeat, deregister): the vLLM instances' registrations,
-  with worker tokens, exactly as on ``topkv orchestrator``; or, with ``registry_url``,
-  none: the instances register with that orchestrator and the front door reads them from
-  it (:mod:`.remote_registry`).
-
-Every endpoint but ``/metrics`` (open unless protected) needs ``Authorization: Bearer``
-with an admin token (the OpenAI client's ``api_key``) or, for ``/v1/workers``, a worker token.
+Served by ``topkv router`` (:class:`RouterServer`): ``POST /v1/completions`` and
+``/v1/chat/completions`` run each request's prefill on one instance and its decode on
+another, with the KV streamed between them (:class:`Router`, picking through :mod:`.picker`,
+streaming through :mod:`.stream`); ``GET /v1/models``, ``GET /metrics`` and the instances'
+``/v1/workers`` registrations (or, with ``registry_url``, :mod:`.remote_registry`). Endpoints,
+headers and auth: docs/vllm.md ("The front door").
 """
 
 from __future__ import annotations

@@ -1,26 +1,10 @@
 """A decode instance's streamed answer, relayed to the client: its load report, and failover.
 
-:class:`StreamRelay` forwards the decode's server-sent events whole (never half an event),
-and on the way:
-
-* **The load report.** vLLM puts ``kv_transfer_params`` only in whole answers, so once the
-  first token is in (the load has finished by then) the relay asks the decode instance for
-  the transfer's report with a one-token request (``{"topkv": {"report_of": ID}}``, see
-  :mod:`.scheduler_side`) and adds it, as ``kv_transfer_params``, to the chunk that carries
-  the ``finish_reason``, as a whole answer would carry it.
-* **Failover.** The relay asks the decode for token ids (``return_token_ids``; stripped
-  again unless the client asked) and keeps the prompt's and the generated ones. When the
-  stream breaks off (the connection fails or ends without ``[DONE]``), the instance is
-  dropped and the request continues on another registered decode instance: a
-  ``/v1/completions`` stream of the prompt plus the tokens already sent, with the tokens
-  still owed, computed there without transferred KV. Its chunks go out under the first
-  chunk's id (as chat chunks for a chat request), its usage counts the client's prompt, so
-  the client sees one stream; greedy, it is token-identical to an unbroken one. With no
-  instance left, or after :data:`MAX_FAILOVERS`, the client gets an error event and the
-  stream ends (the openai client raises it).
-
-Only single-choice requests fail over (``n`` 1); a chat continuation carries the sampling
-parameters but not chat-only ones (``logprobs``, tools, response formats).
+:class:`StreamRelay` forwards the decode's server-sent events whole, adds the decode's load
+report (asked for with a ``report_of`` request) to the chunk that carries the
+``finish_reason``, and, when the stream breaks off, continues the request on another decode
+instance from the tokens already sent (at most :data:`MAX_FAILOVERS` times; single-choice
+requests only, :func:`can_fail_over`). How: docs/vllm.md ("Streams").
 """
 
 from __future__ import annotations

@@ -1,26 +1,11 @@
 """``topkv demo --engine vllm``: the demo's requests through real vLLM instances.
 
-The stack is :mod:`.stack`'s (a ``topkv orchestrator`` process, the registry; one prefill
-and one decode vLLM CPU instance running TopKVConnector, registered with it; the front
-door, :class:`.router.RouterServer`, served on a thread of this process, reading the
-instances from the orchestrator). vLLM runs under the interpreter that has it (``.venv-vllm``,
-``scripts/install-vllm.sh``), so this works from the main ``topkv`` command.
-
-Each request of :func:`topkv.demo.workload.load_requests` (the packaged trace's prompt
-lengths and arrivals) is sent at its arrival time to the front door's ``/v1/completions``,
-streamed, greedy, ``--new-tokens`` tokens; its prompt is the demo's deterministic token ids
-(:func:`topkv.engine.spec.prompt_token_ids`) over the tiny Llama's 256 byte tokens. Then
-the prefill instance computes every prompt alone, with no transfer: the reference for
-``tokens_identical``.
-
-Measured per request: ``ttft_ms`` at the client (request sent to the first streamed token),
-``decode_ms`` (first to last token), ``transport`` (the medium the connector used) and
-``bytes`` (the KV bytes the prefill connector reports it streamed, which the front door
-passes on in ``X-TopKV-*`` headers) and ``kv_verified`` (the decode connector's
-verification, which the front door adds to the stream's last chunk as
-``kv_transfer_params.topkv``: vLLM itself reports it only in whole answers). Every figure
-of the default demo that this path does not measure (prefill, transfer and exposed times,
-the model's prediction) is null.
+:func:`run_vllm_demo` starts the stack of :mod:`.instances` (a ``topkv orchestrator``, one
+prefill and one decode vLLM CPU instance with TopKVConnector under the interpreter that has
+vLLM, :func:`find_vllm_python`, and the front door on a thread of this process), streams the
+demo's requests (:func:`topkv.demo.workload.load_requests`) through it at their arrival times,
+then has the prefill instance compute every prompt alone: the reference for
+``tokens_identical``. What it measures: docs/vllm.md ("The demo on vLLM").
 """
 
 from __future__ import annotations
