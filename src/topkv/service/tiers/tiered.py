@@ -83,21 +83,34 @@ class _Entry:
         """No move of it is queued or running."""
         return self.busy is None or self.busy.done()
 
-    def start_demotion(self) -> None:
+    def start_demotion(self) -> Future[None]:
+        """Chosen as a victim (it was idle): the demotion, run on the thread that needs the
+        room, is its move until :meth:`end_demotion` (a decode taken meanwhile waits for it)."""
         self.phase = _Phase.DEMOTING
+        demotion: Future[None] = Future()
+        self.busy = demotion
+        return demotion
 
     def demoted_to(self, tier: str) -> None:
         """Its copy in ``tier`` is whole; the device copy is freed."""
         self.tier = tier
         self.phase = _Phase.DEMOTED
 
-    def end_demotion(self) -> None:
-        """The demotion is over: written nowhere, it stays on the device."""
+    def end_demotion(self, demotion: Future[None]) -> None:
+        """The demotion is over (written nowhere, it stays on the device); the moves chained
+        after it may run."""
         if self.phase is _Phase.DEMOTING:
             self.phase = _Phase.RESIDENT
+        demotion.set_result(None)
 
     def start_promotion(self) -> None:
         self.phase = _Phase.PROMOTING
+
+    def reclaim_slot(self) -> None:
+        """A promotion chained after a demotion runs: a KV that demotion moved down takes
+        its device slot back (the others took it when the promotion was scheduled)."""
+        if self.phase is _Phase.DEMOTED:
+            self.phase = _Phase.PROMOTING
 
     def promoted(self) -> None:
         """Read back onto the device (still ``PROMOTING`` until :meth:`end_promotion`)."""
@@ -283,6 +296,8 @@ class TieredKV:
         """Bring ``e`` back to the device; ``asked_s``: when the promotion was asked for
         (its time counts from then: a move of the entry before it and the room made for
         it are part of it, as the decode waiting for it sees)."""
+        with self._lock:
+            e.reclaim_slot()
         try:
             if e.lost is not None:  # an earlier read found the copy gone: say so again
                 raise TierKVLost(e.lost)
@@ -409,12 +424,12 @@ class TieredKV:
                     return False
                 rid = victims[0].request_id
                 entry = self._entries[rid]
-                entry.start_demotion()
+                demotion = entry.start_demotion()
             try:
                 ok = self._demote(rid, entry)
             finally:
                 with self._lock:
-                    entry.end_demotion()
+                    entry.end_demotion(demotion)
             if not ok:
                 return False
 
@@ -478,7 +493,7 @@ class TieredKV:
             if rid in self._requested:
                 self._requested.remove(rid)
             self._running[rid] = tokens
-            if e.tier == DEVICE and e.idle:
+            if e.tier == DEVICE and e.idle:  # not idle: e.g. a demotion is writing it down
                 return None
             if e.phase is _Phase.PROMOTING and e.busy is not None and not e.idle:
                 # a prefetch is bringing it back: wait for that one itself, not for a job
