@@ -1,4 +1,4 @@
-"""Adaptive Decoder Pool policy: the rules that weigh decode KV memory (policy/adp_memory):
+"""Adaptive Decoder Pool policy: the rules that weigh decode KV memory (policy/adp/memory):
 the KV projection (a conversion only if the decode KV in use, scaled by the prefill pool's
 growth, fits the decode workers left open; rechecked for a fenced worker) and the
 decode-bound return (in a rush, requests waiting while prefill idles for want of decode KV

@@ -56,7 +56,7 @@ class DecodeRouter(RelayPart):
             str,
             tuple[WorkerInfo, int, list[tuple[str, Endpoint]], dict[Endpoint, PairView]],
         ] = {}
-        # An MoE model's decode routing (relay.moe_routing), once decode workers report experts.
+        # An MoE model's decode routing (relay.moe.routing), once decode workers report experts.
         self.moe = MoEChooser(
             ExpertRegistry.of(self.view, self.clock),
             self.clock,

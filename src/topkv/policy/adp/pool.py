@@ -300,7 +300,7 @@ class WorkerView:
     #: Chosen for conversion: no new KV is routed to it while its KV is acknowledged.
     fenced: bool = False
     #: Decode KV memory reserved on it and its capacity, in any one unit (bytes in the
-    #: simulator); capacity 0: not reported (the KV rules of :mod:`adp_memory` are off).
+    #: simulator); capacity 0: not reported (the KV rules of :mod:`.memory` are off).
     kv_used: float = 0.0
     kv_capacity: float = 0.0
     #: KV freed on it by finished sequences since it started (same unit; a running total),
@@ -397,7 +397,7 @@ def plan_conversions(
     longer count. With decode KV memory reported, a worker is chosen (and a fenced one
     converted) only if :func:`~topkv.policy.adp.memory.kv_fits`; ``decode_blocked`` (requests
     wait while a prefill worker idles, for want of decode KV room) turns the plan around in
-    a rush: converted workers back, fenced ones open, nobody new (:mod:`adp_memory`).
+    a rush: converted workers back, fenced ones open, nobody new (:mod:`topkv.policy.adp.memory`).
     ``kv_growth``: the decode KV's projected rise over one conversion (its recent slope
     times the conversion time). The KV projection counts it, and the same return happens
     as soon as the KV in use plus it exceeds the open decode capacity
@@ -463,7 +463,7 @@ def plan_conversions(
             if not kv_fits(
                 workers, removed_kv + w.kv_capacity, len(ready) + len(new) + 1, kv_growth
             ):
-                kv_short = True  # the projected decode KV would not fit (adp_memory)
+                kv_short = True  # the projected decode KV would not fit (policy.adp.memory)
                 continue
             new.append(w)
             left -= w.decode_slots

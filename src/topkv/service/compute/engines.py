@@ -338,7 +338,7 @@ class HfEngine:
         self.turns = EngineTurns(pacer)  # one forward pass at a time (hooks are per model)
         from topkv.engine.moe import ExpertRecorder, moe_shape
 
-        #: An MoE model's per-expert statistics (service.engine_experts reports them).
+        #: An MoE model's per-expert statistics (service.worker.experts reports them).
         self.experts = ExpertRecorder(loaded) if moe_shape(loaded) is not None else None
 
     @classmethod
