@@ -218,8 +218,13 @@ def test_json_problem_bounds_depth_and_refuses_non_finite_numbers() -> None:
     assert json_problem(b'{"a": "' + b"[" * 1000 + b'\\"' + b"{" * 1000 + b'"}') is None
     assert json_problem(b'{"a": NaN}') and json_problem(b"[-Infinity]")
     assert json_problem(b'{"NaN": "Infinity"}') is None
-    # malformed input is left to the parser (which says where)
+    # malformed input is left to the parser (which says where) ...
     assert json_problem(b"[[[[") is None and json_problem(b"\xff\xfe") is None
+    assert json_problem(b"[" * MAX_JSON_DEPTH) is None
+    # ... except openers that never close, deeper than the bound: json.loads would recurse
+    # into them (RecursionError at ~1,000 levels) before it found the body malformed
+    assert "deeper" in (json_problem(b"[" * 5000) or "")
+    assert "deeper" in (json_problem(b'{"a": ' * (MAX_JSON_DEPTH + 1)) or "")
     # linear: a 1 MiB body of many levels is judged fast
     started = time.perf_counter()
     assert json_problem(nested(MAX_BODY_BYTES // 2))

@@ -164,20 +164,27 @@ def json_problem(raw: bytes, max_depth: int = MAX_JSON_DEPTH) -> str | None:
 
     Linear passes in C (no recursion): strings are blanked, the brackets kept, and each
     round removes the innermost ``[]``/``{}`` pairs, one level per round. Malformed JSON
-    (unbalanced brackets, an unterminated string) is left for the parser to name."""
+    (unbalanced brackets, an unterminated string) is left for the parser to name, except
+    openers that never close deeper than ``max_depth``."""
     skeleton = _JSON_STRING.sub(b'""', raw)
     if _NON_FINITE.search(skeleton):
         return "NaN and Infinity are not JSON numbers; send finite numbers"
     brackets = skeleton.translate(None, _NOT_BRACKETS)
+    deep = f"the JSON body is nested deeper than {max_depth} levels"
     for _ in range(max_depth):
         if not brackets:
             return None
         shorter = _INNERMOST_PAIR.sub(b"", brackets)
         if len(shorter) == len(brackets):
-            return None  # unbalanced: the parser says where
+            break  # unbalanced: the parser says where, unless it opens too deep to parse
         brackets = shorter
-    if brackets and _INNERMOST_PAIR.search(brackets):
-        return f"the JSON body is nested deeper than {max_depth} levels"
+    else:
+        if brackets and _INNERMOST_PAIR.search(brackets):
+            return deep
+    # What is left has no innermost pair: a run of openers longer than max_depth is nesting
+    # that never closes (``[[[[...``), which a recursive parser would still descend into.
+    if re.search(rb"[\[{]{%d}" % (max_depth + 1), brackets):
+        return deep
     return None
 
 
