@@ -14,13 +14,13 @@ import typer
 
 from topkv.cli.options.auth import (
     client_token,
+    front_door_auth,
     insecure_option,
-    orchestrator_auth,
     token_file_option,
 )
 from topkv.cli.services import _adp_config, _logging, _until_signalled
 from topkv.errors import ConfigError
-from topkv.service.http.auth import read_token_lines
+from topkv.service.http.auth import CLIENT_TOKEN_FILE_ENV, read_token_lines
 
 if TYPE_CHECKING:
     from topkv.integrations.vllm.frontdoor.adp import AdpOptions
@@ -33,10 +33,18 @@ def router_command(
         Path("/tmp"), help="the decode instances' shm_dir (where their shm sinks listen)"
     ),
     token_file: Path | None = token_file_option(
-        "the admin token: what OpenAI clients send as their api_key (default: $TOPKV_TOKEN_FILE)"
+        "the admin token: the operators' (every endpoint, /v1/adp included) "
+        "(default: $TOPKV_TOKEN_FILE)"
     ),
     worker_token_file: Path | None = typer.Option(
         None, help="worker tokens the vLLM instances register with, one per line"
+    ),
+    client_token_file: Path | None = typer.Option(
+        None,
+        help="client tokens (or sha256: digests), one per line: what OpenAI applications "
+        "send as their api_key; they may call only /v1/completions, /v1/chat/completions "
+        "and /v1/models (`topkv token new FILE --scope client`; default: "
+        f"${CLIENT_TOKEN_FILE_ENV})",
     ),
     protect_metrics: bool = typer.Option(False, help="/metrics needs an admin token"),
     log_level: str = typer.Option("warning", help="debug | info | warning | error"),
@@ -73,9 +81,10 @@ def router_command(
     from topkv.integrations.vllm.frontdoor.router import RouterServer
 
     _logging(log_level)
-    auth = orchestrator_auth(
-        token_file, worker_token_file, insecure=insecure_no_auth, protect_metrics=protect_metrics
-    )
+    auth = front_door_auth(
+        token_file, worker_token_file, client_token_file,
+        insecure=insecure_no_auth, protect_metrics=protect_metrics,
+    )  # fmt: skip
     if registry and not registry.startswith(("http://", "https://", "etcd://", "etcds://")):
         raise ConfigError(
             f"--registry {registry!r}: give the orchestrator's http://HOST:PORT or etcd://HOST:PORT"
@@ -157,7 +166,6 @@ def vllm_up_command(
         wait_up,
     )
     from topkv.service.cluster.local import Supervisor
-    from topkv.service.http.auth import Credentials, ServerAuth
 
     if not (model / "config.json").is_file():
         raise ConfigError(f"{model}: no config.json (`topkv vllm model {model}` writes one)")
@@ -166,7 +174,7 @@ def vllm_up_command(
     _logging("warning")
     files = StackFiles.create(run_dir)
     adp_options = _adp_options(adp, [f"both{i}" for i in range(both)], files.worker_token)
-    auth = ServerAuth(Credentials.of(admin=[files.admin_token], worker=[files.worker_token]))
+    auth = files.front_door_auth()
 
     async def main(stop: asyncio.Event) -> None:
         with Supervisor(run_dir / "logs", grace_s=20) as supervisor:
@@ -189,9 +197,8 @@ def vllm_up_command(
                 waiting.result()  # raises what went wrong
                 typer.echo(
                     f"topkv vllm: {url}/v1 ({prefill} prefill, {decode} decode, {both} kv_both; "
-                    f"adp {adp}; orchestrator "
-                    f"{registry}; api_key in {files.admin_file}; logs in {run_dir / 'logs'}); "
-                    "Ctrl-C stops",
+                    f"adp {adp}; orchestrator {registry}; {files.api_key_note()}; "
+                    f"logs in {run_dir / 'logs'}); Ctrl-C stops",
                     err=True,
                 )
                 await stopped

@@ -1,7 +1,9 @@
-"""``topkv token new FILE``: make a bearer token file (mode 0600) for the control plane."""
+"""``topkv token new FILE [--scope admin|worker|client]``: make a bearer token file (mode
+0600) for the control plane; ``topkv token digest FILE``: its ``sha256:`` digest."""
 
 from __future__ import annotations
 
+import enum
 from pathlib import Path
 
 import typer
@@ -10,14 +12,29 @@ from topkv.errors import ConfigError
 from topkv.service.http.auth import digest_line, new_token, read_token, write_token_file
 
 
+class TokenScope(enum.StrEnum):
+    """``--scope``: what the token is for (docs/security.md, "Tokens and scopes")."""
+
+    admin = "admin"
+    worker = "worker"
+    client = "client"
+
+
 def new_command(
     path: Path = typer.Argument(..., help="where to write the token (mode 0600)"),
     force: bool = typer.Option(False, "--force", help="replace an existing file"),
+    scope: TokenScope | None = typer.Option(
+        None,
+        "--scope",
+        help="tag the token with its scope (tkv_<scope>_...), so a server refuses it in "
+        "another scope's file; client: the front door's inference endpoints only "
+        "(topkv router --client-token-file). Default: untagged, as before",
+    ),
 ) -> None:
     """Write a fresh random token; print its sha256: digest (what a verifier needs)."""
     if path.exists() and not force:
         raise ConfigError(f"{path} exists; pass --force to replace it")
-    token = new_token()
+    token = new_token(scope.value if scope is not None else None)
     write_token_file(path, token)
     typer.echo(digest_line(token))
 

@@ -12,10 +12,22 @@ from topkv.service.http.auth import Credentials, ServerAuth
 
 class RouterThread:
     """``registry_url``: read the instances from that orchestrator (with the admin token)
-    instead of the embedded registry."""
+    instead of the embedded registry; ``client``: a client token the inference endpoints
+    accept too; ``protect_metrics``: /metrics needs an admin token."""
 
-    def __init__(self, admin: str, worker: str, shm_dir: str, registry_url: str = "") -> None:
-        auth = ServerAuth(Credentials.of(admin=[admin], worker=[worker]))
+    def __init__(
+        self,
+        admin: str,
+        worker: str,
+        shm_dir: str,
+        registry_url: str = "",
+        *,
+        client: str | None = None,
+        protect_metrics: bool = False,
+    ) -> None:
+        clients = [client] if client is not None else []
+        credentials = Credentials.of(admin=[admin], worker=[worker], client=clients)
+        auth = ServerAuth(credentials, protect_metrics=protect_metrics)
         self.loop = asyncio.new_event_loop()
         self.server = RouterServer(
             auth, shm_dir, registry_url=registry_url, registry_token=admin if registry_url else None

@@ -36,7 +36,6 @@ from topkv.integrations.vllm.stack.instances import (
 from topkv.integrations.vllm.stack.model import VOCAB_SIZE, write_tiny_llama
 from topkv.policy.adp.pool import ADPConfig
 from topkv.service.cluster.local import Supervisor
-from topkv.service.http.auth import Credentials, ServerAuth
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -53,7 +52,7 @@ class AdpRouterThread:
     """The front door with the ADP on, in a thread of the test process."""
 
     def __init__(self, files: StackFiles, registry_url: str) -> None:
-        auth = ServerAuth(Credentials.of(admin=[files.admin_token], worker=[files.worker_token]))
+        auth = files.front_door_auth()
         options = AdpOptions(frozenset(BOTH), CONFIG, files.worker_token, tick_s=0.1)
         self.loop = asyncio.new_event_loop()
         self.server = RouterServer(

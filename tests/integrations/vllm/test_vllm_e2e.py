@@ -74,6 +74,7 @@ class Stack:
     supervisor: Supervisor
     orchestrator_url: str
     admin_token: str
+    client_token: str
 
     def reference(self, prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
         """The prefill instance computing the whole request alone (no transfer)."""
@@ -95,7 +96,7 @@ class Stack:
                 "stream": True}  # fmt: skip
         request = urllib.request.Request(
             self.router.url + "/v1/completions", json.dumps(body).encode(),
-            {"Content-Type": "application/json", "Authorization": f"Bearer {self.admin_token}"},
+            {"Content-Type": "application/json", "Authorization": f"Bearer {self.client_token}"},
         )  # fmt: skip
         ids: list[int] = []
         chunks: list[dict[str, Any]] = []
@@ -136,19 +137,21 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     router: RouterThread | None = None
     try:
         _, registry = start_orchestrator(supervisor, files)
-        router = RouterThread(files.admin_token, files.worker_token, str(root), registry)
+        router = RouterThread(
+            files.admin_token, files.worker_token, str(root), registry, client=files.client_token
+        )
         instances = start_pd_instances(
             supervisor, model, files, registry, decode=2, max_model_len=MAX_MODEL_LEN,
             load_timeout_s=20,
         )  # fmt: skip
         wait_up(instances, router.server.registry, timeout_s=600)
         client = openai.OpenAI(
-            base_url=router.url + "/v1", api_key=files.admin_token, max_retries=0
+            base_url=router.url + "/v1", api_key=files.client_token, max_retries=0
         )
         decodes = {i.name: i for i in instances[1:]}
         yield Stack(
             router, instances[0], decodes["decode0"], decodes, root, client, supervisor,
-            registry, files.admin_token,
+            registry, files.admin_token, files.client_token,
         )  # fmt: skip
     finally:
         supervisor.stop_all()
@@ -346,7 +349,7 @@ def test_an_unknown_forced_medium_is_refused(stack: Stack) -> None:
     request = urllib.request.Request(
         stack.router.url + "/v1/completions",
         json.dumps({"model": "tiny-llama", "prompt": [1, 2, 3], "max_tokens": 1}).encode(),
-        {"Content-Type": "application/json", "Authorization": f"Bearer {stack.admin_token}",
+        {"Content-Type": "application/json", "Authorization": f"Bearer {stack.client_token}",
          "X-TopKV-Medium": "carrier-pigeon"},
     )  # fmt: skip
     with pytest.raises(urllib.error.HTTPError) as refused:

@@ -1,20 +1,24 @@
 """The authentication flags the service commands share, and what they resolve to.
 
 ``--token-file FILE`` (default ``$TOPKV_TOKEN_FILE``): a client's or worker's own token; the
-orchestrator's admin token. ``--insecure-no-auth`` turns authentication off, on purpose
-(the server logs a warning); without it a server refuses to start unless it has its tokens.
-See docs/security.md.
+orchestrator's admin token. ``--client-token-file FILE`` (default
+``$TOPKV_CLIENT_TOKEN_FILE``): the client tokens the front door accepts on its inference
+endpoints (only the front door reads it). ``--insecure-no-auth`` turns authentication off,
+on purpose (the server logs a warning); without it a server refuses to start unless it has
+its tokens. See docs/security.md.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import typer
 
 from topkv.errors import ConfigError
 from topkv.service.http.auth import (
+    CLIENT_TOKEN_FILE_ENV,
     CONTROL_TOKEN_FILE_ENV,
     TOKEN_FILE_ENV,
     Credentials,
@@ -65,7 +69,7 @@ def orchestrator_auth(
             "(`topkv token new FILE` makes one; `topkv cluster up` writes RUN_DIR/token), "
             "or --insecure-no-auth to run without authentication"
         )
-    admin = read_token(path, "admin token file")
+    admin = read_token(path, "admin token file", scope="admin")
     credentials = Credentials.from_files(path, worker_token_file)
     return ServerAuth(credentials, client_token=admin, protect_metrics=protect_metrics)
 
@@ -94,5 +98,26 @@ def worker_auth(
             f"the worker registers with the orchestrator: give its worker token with "
             f"--token-file FILE or ${TOKEN_FILE_ENV}, or --insecure-no-auth"
         )
-    token = read_token(own, "worker token file") if own is not None else None
+    token = read_token(own, "worker token file", scope="worker") if own is not None else None
     return ServerAuth(Credentials.from_files(control), client_token=token)
+
+
+def front_door_auth(
+    token_file: Path | None,
+    worker_token_file: Path | None,
+    client_token_file: Path | None,
+    *,
+    insecure: bool,
+    protect_metrics: bool,
+) -> ServerAuth | None:
+    """The front door's (``topkv router``): the orchestrator's (:func:`orchestrator_auth`)
+    plus the client tokens it accepts on its inference endpoints (``--client-token-file``
+    or ``$TOPKV_CLIENT_TOKEN_FILE``; none: only the admin token calls them)."""
+    auth = orchestrator_auth(
+        token_file, worker_token_file, insecure=insecure, protect_metrics=protect_metrics
+    )
+    clients = _from_env(client_token_file, CLIENT_TOKEN_FILE_ENV)
+    if auth is None or clients is None:
+        return auth
+    accepted = Credentials.from_files(None, client=clients).client
+    return replace(auth, credentials=replace(auth.credentials, client=accepted))

@@ -1,12 +1,17 @@
 """Bearer-token authentication and scopes for every control endpoint.
 
-Two scopes:
+Three scopes:
 
 * ``admin``: submit and cancel requests, read everything, deregister any worker, and drive
   the workers' control APIs (the orchestrator's executor holds an admin token);
 * ``worker``: register, heartbeat and deregister *its own* worker id only (the id a worker
   token first registered is bound to it while registered: see
-  :class:`~topkv.service.orchestrator.registrations.Registrations`).
+  :class:`~topkv.service.orchestrator.registrations.Registrations`);
+* ``client``: the OpenAI front door's inference endpoints only (:attr:`Access.INFERENCE`).
+  Only the front door loads client tokens; the orchestrator and the workers never do.
+
+A token may carry its scope in its prefix (``tkv_client_...``, :func:`new_token`): a server
+refuses a tagged token found among another scope's tokens (a misfiled file) at start-up.
 
 A server keeps only the SHA-256 digests of the tokens it accepts (:class:`Credentials`), so a
 worker can verify the orchestrator's admin token without holding it (``sha256:<hex>`` in its
@@ -40,12 +45,15 @@ from topkv.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-Scope = Literal["admin", "worker"]
+Scope = Literal["admin", "worker", "client"]
+SCOPES: tuple[Scope, ...] = ("admin", "worker", "client")
 
 #: Where commands look for their token file when no ``--token-file`` is given.
 TOKEN_FILE_ENV = "TOPKV_TOKEN_FILE"
 #: Where a worker looks for the token its control API accepts (the admin token or its digest).
 CONTROL_TOKEN_FILE_ENV = "TOPKV_CONTROL_TOKEN_FILE"
+#: Where the front door looks for the client tokens it accepts (``--client-token-file``).
+CLIENT_TOKEN_FILE_ENV = "TOPKV_CLIENT_TOKEN_FILE"
 #: A digest line in a token file: the token itself is not needed to verify it.
 DIGEST_PREFIX = "sha256:"
 #: Longest token file read (a few tokens, one per line).
@@ -54,9 +62,38 @@ MAX_TOKEN_FILE_BYTES = 64 * 1024
 _TOKEN_PREFIX = "tkv_"
 
 
-def new_token() -> str:
-    """A fresh random bearer token (256 bits)."""
-    return _TOKEN_PREFIX + secrets.token_urlsafe(32)
+#: Where each scope's tokens are given to a server (named when a token is misfiled).
+_GIVEN_WITH: dict[Scope, str] = {
+    "admin": "--token-file",
+    "worker": "--worker-token-file",
+    "client": "--client-token-file (topkv router)",
+}
+
+
+def new_token(scope: Scope | None = None) -> str:
+    """A fresh random bearer token (256 bits); with ``scope``, tagged ``tkv_<scope>_...`` so
+    that a server refuses it among another scope's tokens (untagged: any file takes it)."""
+    tag = f"{scope}_" if scope is not None else ""
+    return _TOKEN_PREFIX + tag + secrets.token_urlsafe(32)
+
+
+def tagged_scope(token: str) -> Scope | None:
+    """The scope a token's prefix names (``tkv_client_...``: client); None when untagged."""
+    for scope in SCOPES:
+        if token.startswith(f"{_TOKEN_PREFIX}{scope}_"):
+            return scope
+    return None
+
+
+def check_scope(token: str, scope: Scope, origin: str) -> None:
+    """ConfigError when ``token`` is tagged with a scope other than ``scope`` (``origin``
+    names where it was found; the message never holds the token)."""
+    tagged = tagged_scope(token)
+    if tagged is not None and tagged != scope:
+        raise ConfigError(
+            f"{origin} holds a {tagged} token ({_TOKEN_PREFIX}{tagged}_...) where {scope} "
+            f"tokens belong; a {tagged} token is given with {_GIVEN_WITH[tagged]}"
+        )
 
 
 def digest_of(token: str) -> bytes:
@@ -103,17 +140,21 @@ def read_token_lines(path: Path, what: str = "token file") -> list[str]:
     return lines
 
 
-def read_token(path: Path, what: str = "token file") -> str:
-    """The one token in a token file (a client's credential)."""
+def read_token(path: Path, what: str = "token file", scope: Scope | None = None) -> str:
+    """The one token in a token file (a client's credential); with ``scope``, refused when
+    it is tagged with another scope (:func:`check_scope`)."""
     lines = read_token_lines(path, what)
     if len(lines) != 1 or lines[0].startswith(DIGEST_PREFIX):
         raise ConfigError(f"{what} {path} must hold exactly one token")
+    if scope is not None:
+        check_scope(lines[0], scope, f"{what} {path}")
     return lines[0]
 
 
-def _digests(lines: Iterable[str], origin: str) -> tuple[bytes, ...]:
+def _digests(lines: Iterable[str], origin: str, scope: Scope) -> tuple[bytes, ...]:
+    """The digests of ``scope``'s accepted tokens (tokens or ``sha256:`` lines)."""
     out: list[bytes] = []
-    for line in lines:
+    for number, line in enumerate(lines, 1):
         if line.startswith(DIGEST_PREFIX):
             try:
                 digest = bytes.fromhex(line[len(DIGEST_PREFIX) :])
@@ -123,27 +164,46 @@ def _digests(lines: Iterable[str], origin: str) -> tuple[bytes, ...]:
                 raise ConfigError(f"{origin}: a sha256: line needs 64 hex digits")
             out.append(digest)
         else:
+            check_scope(line, scope, f"{origin}: line {number}")
             out.append(digest_of(line))
     return tuple(out)
 
 
+def _file_digests(path: Path | None, scope: Scope) -> tuple[bytes, ...]:
+    if path is None:
+        return ()
+    what = f"{scope} token file"
+    return _digests(read_token_lines(path, what), f"{what} {path}", scope)
+
+
 @dataclass(frozen=True)
 class Credentials:
-    """The tokens a server accepts, per scope, as SHA-256 digests."""
+    """The tokens a server accepts, per scope, as SHA-256 digests (``client``: only the
+    front door's; the orchestrator and the workers never hold any)."""
 
     admin: tuple[bytes, ...] = ()
     worker: tuple[bytes, ...] = ()
+    client: tuple[bytes, ...] = ()
 
     @classmethod
-    def of(cls, admin: Iterable[str] = (), worker: Iterable[str] = ()) -> Credentials:
+    def of(
+        cls, admin: Iterable[str] = (), worker: Iterable[str] = (), client: Iterable[str] = ()
+    ) -> Credentials:
         """From tokens or ``sha256:`` digest lines."""
-        return cls(_digests(admin, "admin tokens"), _digests(worker, "worker tokens"))
+        return cls(
+            _digests(admin, "admin tokens", "admin"),
+            _digests(worker, "worker tokens", "worker"),
+            _digests(client, "client tokens", "client"),
+        )
 
     @classmethod
-    def from_files(cls, admin: Path | None, worker: Path | None = None) -> Credentials:
+    def from_files(
+        cls, admin: Path | None, worker: Path | None = None, client: Path | None = None
+    ) -> Credentials:
         return cls(
-            _digests(read_token_lines(admin), str(admin)) if admin is not None else (),
-            _digests(read_token_lines(worker), str(worker)) if worker is not None else (),
+            _file_digests(admin, "admin"),
+            _file_digests(worker, "worker"),
+            _file_digests(client, "client"),
         )
 
     def authenticate(self, token: str) -> Principal | None:
@@ -156,6 +216,9 @@ class Credentials:
         for candidate in self.worker:
             if hmac.compare_digest(presented, candidate) and scope is None:
                 scope = "worker"
+        for candidate in self.client:
+            if hmac.compare_digest(presented, candidate) and scope is None:
+                scope = "client"
         return Principal(scope, presented) if scope is not None else None
 
 
@@ -181,7 +244,22 @@ class Access(enum.Enum):
     PUBLIC = "public"  # probes and the schema
     METRICS = "metrics"  # open unless the server protects /metrics
     WORKER = "worker"  # a worker token (for its own id: the handler checks) or admin
+    INFERENCE = "inference"  # the front door's OpenAI endpoints: a client token or admin
     ADMIN = "admin"
+
+
+#: The scopes each authenticated :class:`Access` admits, and how a 403 names them.
+_ADMITS: dict[Access, tuple[frozenset[Scope], str]] = {
+    Access.ADMIN: (frozenset({"admin"}), "an admin token"),
+    Access.METRICS: (frozenset({"admin"}), "an admin token"),
+    Access.WORKER: (frozenset({"worker", "admin"}), "a worker or admin token"),
+    Access.INFERENCE: (frozenset({"client", "admin"}), "a client or admin token"),
+}
+#: What a 403 adds for a client token: the only endpoints it may call.
+_CLIENT_RULE = (
+    " (a client token may call only the inference endpoints: POST /v1/completions, "
+    "POST /v1/chat/completions, GET /v1/models)"
+)
 
 
 class Required:
@@ -284,8 +362,10 @@ def auth_middleware(
         principal = credentials.authenticate(token)
         if principal is None:
             return _unauthorized("the token is not valid here")
-        if access in (Access.ADMIN, Access.METRICS) and not principal.admin:
-            return forbidden(f"{request.method} {path} needs an admin token")
+        admitted, needs = _ADMITS[access]
+        if principal.scope not in admitted:
+            rule = _CLIENT_RULE if principal.scope == "client" else ""
+            return forbidden(f"{request.method} {path} needs {needs}{rule}")
         request[PRINCIPAL_KEY] = principal
         return await handler(request)
 

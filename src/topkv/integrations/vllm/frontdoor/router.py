@@ -33,6 +33,17 @@ from topkv.integrations.vllm.frontdoor.picker import (
 )
 from topkv.integrations.vllm.frontdoor.remote_registry import OrchestratorRegistry, polled_registry
 from topkv.integrations.vllm.frontdoor.stream import StreamRelay, can_fail_over
+from topkv.integrations.vllm.frontdoor.validate import (
+    MAX_INFERENCE_BODY_BYTES,
+    MAX_MODELS_ANSWER_BYTES,
+    Refused,
+    ServedContext,
+    asks_for_tokens,
+    check_context,
+    error_response,
+    json_errors,
+    read_body,
+)
 from topkv.relay.registry.memory import MemoryRegistry
 from topkv.relay.workers import WorkerInfo
 from topkv.service.http.auth import Access, ServerAuth, secured_app
@@ -47,6 +58,8 @@ log = logging.getLogger(__name__)
 _TIMEOUT = aiohttp.ClientTimeout(total=None, connect=3.0, sock_connect=3.0, sock_read=60.0)
 #: The KV size the picker assumes before the prompt is tokenized (bytes).
 _NOMINAL_KV_BYTES = 1 << 20
+#: Bound on the look at an instance's ``/v1/models`` for the model's context.
+_MODELS_TIMEOUT = aiohttp.ClientTimeout(total=2.0)
 
 
 class _Metrics:
@@ -113,13 +126,15 @@ class Router:
         pools = self.adp.workers if self.adp is not None else None
         self.picker = Picker(registry, shm_dir, affinity=affinity, pools=pools)
         self._ids = itertools.count(int(time.time() * 1000) % (1 << 40))
+        #: The served model's context, for the ``max_tokens`` check (:mod:`.validate`).
+        self.context = ServedContext()
         self._session: aiohttp.ClientSession | None = None
 
     def routes(self) -> list[ApiRoute]:
         return [
-            ApiRoute("POST", "/v1/completions", self.completions, Access.ADMIN),
-            ApiRoute("POST", "/v1/chat/completions", self.chat, Access.ADMIN),
-            ApiRoute("GET", "/v1/models", self.models, Access.ADMIN),
+            ApiRoute("POST", "/v1/completions", self.completions, Access.INFERENCE),
+            ApiRoute("POST", "/v1/chat/completions", self.chat, Access.INFERENCE),
+            ApiRoute("GET", "/v1/models", self.models, Access.INFERENCE),
             ApiRoute("GET", "/metrics", self.prometheus, Access.METRICS),
             ApiRoute("GET", "/healthz", self.healthz, Access.PUBLIC),
             ApiRoute("GET", "/v1/adp", self.adp_state, Access.ADMIN),
@@ -186,8 +201,11 @@ class Router:
             return error_response(503, "unavailable", why)
         try:
             async with self._client().get(decodes[0].control_url + "/v1/models") as answer:
+                listed = await answer.read()
+                if answer.status == 200:
+                    self.context.learn(listed)
                 return web.Response(
-                    body=await answer.read(), status=answer.status, content_type="application/json"
+                    body=listed, status=answer.status, content_type="application/json"
                 )
         except (aiohttp.ClientError, TimeoutError) as exc:
             return error_response(502, "upstream", f"{decodes[0].worker_id}: {exc}")
@@ -201,12 +219,12 @@ class Router:
     # -- the flow -------------------------------------------------------------------------
 
     async def _serve(self, request: web.Request, path: str) -> web.StreamResponse:
-        try:
-            body = json.loads(await request.read())
-        except ValueError as exc:
-            return error_response(400, "bad_request", f"the body is not JSON: {exc}")
-        if not isinstance(body, dict):
-            return error_response(400, "bad_request", "the body must be a JSON object")
+        try:  # checked before any work (:mod:`.validate`): a refusal names the field
+            body = await read_body(request, chat=path.endswith("/chat/completions"))
+            if asks_for_tokens(body):
+                check_context(body, await self.context.current(self._models_answer))
+        except Refused as refused:
+            return refused.response()
         excluded: set[str] = set()
         hashes = prompt_hashes(body)
         asked = request.headers.get("X-TopKV-Medium", "")
@@ -237,6 +255,27 @@ class Router:
             ticket.close()
         self.metrics.requests.labels(path, "upstream_failed").inc()
         return error_response(502, "upstream", "the chosen instances failed twice")
+
+    async def _models_answer(self) -> bytes | None:
+        """A decode instance's ``GET /v1/models`` answer (None: none answered it)."""
+        decodes = self.registry.workers("decode")
+        if not decodes:
+            return None
+        url = decodes[0].control_url + "/v1/models"
+        try:
+            async with self._client().get(url, timeout=_MODELS_TIMEOUT) as answer:
+                if answer.status != 200:
+                    return None
+                listed = b""
+                while len(listed) <= MAX_MODELS_ANSWER_BYTES:
+                    piece = await answer.content.read(MAX_MODELS_ANSWER_BYTES + 1 - len(listed))
+                    if not piece:
+                        return listed
+                    listed += piece
+                return None  # too long to be a list of models
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            log.info("router: %s: %s", url, exc)
+            return None
 
     async def _post(self, worker_id: str, url: str, body: dict[str, Any]) -> aiohttp.ClientResponse:
         try:
@@ -415,13 +454,6 @@ class Router:
             self.metrics.recomputed.inc()
 
 
-def error_response(status: int, kind: str, detail: str) -> web.Response:
-    """TopKV's error shape (``kind``, ``type``, ``detail``) plus OpenAI's ``message`` and
-    ``code``, so the openai client shows the reason."""
-    error = {"kind": kind, "type": kind, "detail": detail, "message": detail, "code": status}
-    return web.json_response({"error": error}, status=status)
-
-
 def _topkv_params(answer: bytes) -> dict[str, Any] | None:
     try:
         params = json.loads(answer).get("kv_transfer_params") or {}
@@ -459,7 +491,12 @@ class RouterServer:
         """Start serving; the URL clients (and, with the embedded registry, instances) use."""
         if isinstance(self.registry, OrchestratorRegistry):
             await self.registry.start()
-        app = secured_app(self.router.routes(), self.auth)
+        app = secured_app(
+            self.router.routes(),
+            self.auth,
+            middlewares=[json_errors],
+            client_max_size=MAX_INFERENCE_BODY_BYTES,
+        )
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._runner.setup()
         await web.TCPSite(self._runner, host, port).start()

@@ -163,7 +163,7 @@ def run_affinity_bench(python: str, root: Path, opts: AffinityBenchOptions) -> d
             )  # fmt: skip
             wait_up(instances, doors[0].server.registry, timeout_s=600)
             by_name = {"affinity": doors[0], "no_affinity": doors[1]}
-            figures = asyncio.run(_rounds(by_name, files.admin_token, prompts, opts, rng))
+            figures = asyncio.run(_rounds(by_name, files.client_token, prompts, opts, rng))
     finally:
         for door in doors:
             door.close()

@@ -42,7 +42,6 @@ from topkv.integrations.vllm.stack.instances import (
 )
 from topkv.integrations.vllm.stack.model import VOCAB_SIZE
 from topkv.service.cluster.local import Supervisor
-from topkv.service.http.auth import Credentials, ServerAuth
 
 #: The demo's prompt range (as the default demo's), and room for the generated tokens.
 MIN_PROMPT, MAX_PROMPT = 128, 1024
@@ -104,9 +103,8 @@ class _RouterThread:
     """The front door on its own event loop, in a daemon thread."""
 
     def __init__(self, files: StackFiles, registry_url: str = "", affinity: bool = True) -> None:
-        auth = ServerAuth(Credentials.of(admin=[files.admin_token], worker=[files.worker_token]))
         self.server = RouterServer(
-            auth, str(files.run_dir), registry_url=registry_url,
+            files.front_door_auth(), str(files.run_dir), registry_url=registry_url,
             registry_token=files.admin_token, affinity=affinity,
         )  # fmt: skip
         self._loop = asyncio.new_event_loop()
@@ -329,7 +327,7 @@ def run_vllm_demo(options: VllmDemoOptions) -> dict[str, Any]:
                         prompts,
                         router.url,
                         instances[0].url,
-                        files.admin_token,
+                        files.client_token,
                         options.new_tokens,
                     )
                 )

@@ -21,7 +21,7 @@ from topkv.integrations.vllm.stack.launch import (
 )
 from topkv.relay.registry.base import WorkerRegistry
 from topkv.service.cluster.local import ManagedProcess, ProcessSpec, Supervisor, topkv_command
-from topkv.service.http.auth import new_token, write_token_file
+from topkv.service.http.auth import Credentials, ServerAuth, new_token, write_token_file
 
 
 def free_port() -> int:
@@ -32,16 +32,23 @@ def free_port() -> int:
 
 @dataclass(frozen=True)
 class StackFiles:
-    """The run directory's secrets (all 0600): the admin token (OpenAI clients' api_key),
-    the worker token (the instances register with it) and the transports' shared secret."""
+    """The run directory's secrets (all 0600): the client token (OpenAI applications'
+    api_key: the front door's inference endpoints only), the admin token (the operators';
+    the front door reads the orchestrator's registry with it), the worker token (the
+    instances register with it) and the transports' shared secret."""
 
     run_dir: Path
     admin_token: str
     worker_token: str
+    client_token: str
 
     @property
     def admin_file(self) -> Path:
         return self.run_dir / "admin-token"
+
+    @property
+    def client_file(self) -> Path:
+        return self.run_dir / "client-token"
 
     @property
     def worker_file(self) -> Path:
@@ -53,11 +60,26 @@ class StackFiles:
 
     @classmethod
     def create(cls, run_dir: Path) -> StackFiles:
-        files = cls(run_dir, new_token(), new_token())
+        files = cls(run_dir, new_token("admin"), new_token("worker"), new_token("client"))
         write_token_file(files.admin_file, files.admin_token)
         write_token_file(files.worker_file, files.worker_token)
+        write_token_file(files.client_file, files.client_token)
         write_token_file(files.secret_file, os.urandom(32).hex())
         return files
+
+    def api_key_note(self) -> str:
+        """What ``vllm up`` prints about its tokens: where the applications' api_key is, and
+        the operators' admin token (the files, never the tokens themselves)."""
+        return f"api_key in {self.client_file}; operators' admin token in {self.admin_file}"
+
+    def front_door_auth(self) -> ServerAuth:
+        """What the stack's front door accepts: the client token on the inference
+        endpoints, the admin token everywhere, the worker token on /v1/workers."""
+        return ServerAuth(
+            Credentials.of(
+                admin=[self.admin_token], worker=[self.worker_token], client=[self.client_token]
+            )
+        )
 
 
 def start_orchestrator(
