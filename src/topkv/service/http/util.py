@@ -79,7 +79,7 @@ def error_middleware(answers: Sequence[ErrorAnswer], special: ErrorSpecial) -> M
         except web.HTTPException as exc:
             if exc.status < 400 or exc.content_type == "application/json":
                 raise
-            return _json_http_error(request, exc)
+            return json_http_error(request, exc)
         except TopKVError as exc:
             found = special(exc)
             if found is None:
@@ -99,14 +99,22 @@ def _internal(request: web.Request, exc: Exception, detail: str) -> web.Response
     return error_response(500, "internal", detail, type(exc).__name__)
 
 
-def _json_http_error(request: web.Request, exc: web.HTTPException) -> web.Response:
-    """aiohttp's own error answer (a router's 404 or 405, say) as JSON."""
+#: Makes a JSON error answer from (status, kind, detail, type): :func:`error_response`, or
+#: a server's own shape of it (the OpenAI front door adds OpenAI's fields).
+ErrorResponder = Callable[[int, str, str, str], web.Response]
+
+
+def json_http_error(
+    request: web.Request, exc: web.HTTPException, respond: ErrorResponder | None = None
+) -> web.Response:
+    """aiohttp's own error answer (a router's 404 or 405, say) as JSON, made by ``respond``
+    (default :func:`error_response`), with the headers worth keeping."""
     text = exc.text or ""
     detail = text if text and not text.startswith(f"{exc.status}:") else exc.reason
     if exc.status in (404, 405):
         detail = f"{request.method} {request.path[:200]}: {detail}"
     kind = _HTTP_KINDS.get(exc.status, "http_error")
-    answer = error_response(exc.status, kind, detail, type(exc).__name__)
+    answer = (respond or error_response)(exc.status, kind, detail, type(exc).__name__)
     for name in _KEPT_HEADERS:
         if name in exc.headers:
             answer.headers[name] = exc.headers[name]

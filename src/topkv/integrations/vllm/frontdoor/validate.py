@@ -33,7 +33,13 @@ from aiohttp.web_protocol import RequestPayloadError
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationError
 from pydantic_core import PydanticCustomError
 
-from topkv.service.http.util import MAX_BODY_BYTES, MAX_JSON_DEPTH, MAX_PROBLEMS_SHOWN, json_problem
+from topkv.service.http.util import (
+    MAX_BODY_BYTES,
+    MAX_JSON_DEPTH,
+    MAX_PROBLEMS_SHOWN,
+    json_http_error,
+    json_problem,
+)
 
 log = logging.getLogger(__name__)
 
@@ -65,15 +71,6 @@ CONTEXT_RETRY_S = 5.0
 MAX_MODELS_ANSWER_BYTES = 1 << 20
 
 _INT64_MAX = 2**63 - 1
-#: The kind of aiohttp's own error answers, by status (as on the orchestrator).
-_HTTP_KINDS = {
-    400: "bad_request",
-    404: "not_found",
-    405: "method_not_allowed",
-    413: "too_large",
-    415: "unsupported_media_type",
-}
-_KEPT_HEADERS = ("Allow", "Retry-After", "WWW-Authenticate")
 
 
 # -- the error answer --------------------------------------------------------------------
@@ -120,16 +117,7 @@ async def json_errors(request: web.Request, handler: Handler) -> web.StreamRespo
     except web.HTTPException as exc:
         if exc.status < 400 or exc.content_type == "application/json":
             raise
-        text = exc.text or ""
-        detail = text if text and not text.startswith(f"{exc.status}:") else exc.reason
-        if exc.status in (404, 405):
-            detail = f"{request.method} {request.path[:200]}: {detail}"
-        kind = _HTTP_KINDS.get(exc.status, "http_error")
-        answer = error_response(exc.status, kind, detail, type(exc).__name__)
-        for name in _KEPT_HEADERS:
-            if name in exc.headers:
-                answer.headers[name] = exc.headers[name]
-        return answer
+        return json_http_error(request, exc, error_response)
     except Exception as exc:
         if getattr(request.writer, "output_size", 0):
             raise  # the answer has begun: aiohttp can only close the connection
