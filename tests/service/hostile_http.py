@@ -12,11 +12,24 @@ from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
 from topkv.service.http.util import MAX_JSON_DEPTH
 
 T = TypeVar("T")
+
+
+def fuzz_settings(examples: int) -> settings:
+    """The hostile fuzzes' hypothesis settings: ``examples`` requests, the same ones every
+    run (derandomized, no example database), no deadline on a loaded host."""
+    return settings(
+        max_examples=examples,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
 
 
 # -- a server on a loop of its own, and a client that sends anything --------------------------

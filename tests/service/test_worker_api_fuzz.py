@@ -22,11 +22,12 @@ from hostile_http import (
     Answer,
     BackgroundLoop,
     assert_json_error,
+    fuzz_settings,
     json_value,
     nearly_valid,
     send,
 )
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import BaseModel, ValidationError
 
@@ -261,13 +262,7 @@ def _check(drawn: Drawn, answer: Answer) -> None:
 def test_two_hundred_malformed_control_requests_never_get_a_5xx(worker: LiveWorker) -> None:
     seen: dict[int, int] = {}
 
-    @settings(
-        max_examples=200,
-        deadline=None,
-        derandomize=True,
-        database=None,
-        suppress_health_check=list(HealthCheck),
-    )
+    @fuzz_settings(200)
     @given(control_request(worker))
     def one(drawn: Drawn) -> None:
         answer = send(worker.port, drawn.method, drawn.path, drawn.headers, drawn.body)

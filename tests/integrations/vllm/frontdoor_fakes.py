@@ -25,9 +25,18 @@ from topkv.relay.workers import WorkerCapabilities, WorkerInfo
 from topkv.service.http.util import site_url
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "service"))
-from hostile_http import JUNK, Answer, json_value, nearly_valid, send
+from hostile_http import JUNK, Answer, fuzz_settings, json_value, nearly_valid, send
 
-__all__ = ["JUNK", "Answer", "FakeVllm", "FrontDoor", "json_value", "nearly_valid", "send"]
+__all__ = [
+    "JUNK",
+    "Answer",
+    "FakeVllm",
+    "FrontDoor",
+    "fuzz_settings",
+    "json_value",
+    "nearly_valid",
+    "send",
+]
 
 ADMIN, WORKER = "tkv_admin_for_frontdoor_tests", "tkv_worker_for_frontdoor_tests"
 

@@ -14,8 +14,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from frontdoor_fakes import ADMIN, WORKER, Answer, FrontDoor, json_value, nearly_valid, send
-from hypothesis import HealthCheck, given, settings
+from frontdoor_fakes import (
+    ADMIN,
+    WORKER,
+    Answer,
+    FrontDoor,
+    fuzz_settings,
+    json_value,
+    nearly_valid,
+    send,
+)
+from hypothesis import given
 from hypothesis import strategies as st
 
 from topkv.integrations.vllm.frontdoor.validate import Refused, check_context, parse_body
@@ -154,13 +163,7 @@ def _check(drawn: Drawn, answer: Answer) -> None:
 def test_three_hundred_malformed_inference_requests_never_get_a_5xx(door: FrontDoor) -> None:
     seen: dict[int, int] = {}
 
-    @settings(
-        max_examples=300,
-        deadline=None,
-        derandomize=True,
-        database=None,
-        suppress_health_check=list(HealthCheck),
-    )
+    @fuzz_settings(300)
     @given(inference_request())
     def one(drawn: Drawn) -> None:
         answer = send(door.port, drawn.method, drawn.path, drawn.headers, drawn.body)
