@@ -19,7 +19,9 @@ prompt request with ``new_tokens`` has the decode worker's model generate them f
 
 A prompt request (``prompt`` or ``prompt_seed``) starts the prefill worker's model on the
 prompt without waiting and submits the transfer with a deferred digest at once, so the
-first attempt streams each layer while prefill still computes the next.
+first attempt streams each layer while prefill still computes the next. A prefill worker
+that fails the start or answers nonsense is benched and the request started on another
+(:mod:`~topkv.service.orchestrator.prefill_start`): 502/503 only when none is left.
 """
 
 from __future__ import annotations
@@ -98,6 +100,11 @@ from topkv.service.orchestrator.models import (
     WorkerView,
 )
 from topkv.service.orchestrator.openapi import openapi_document
+from topkv.service.orchestrator.prefill_start import (
+    PrefillHealth,
+    PrefillStarter,
+    PrefillUnavailable,
+)
 from topkv.service.orchestrator.registrations import RegistrationLimits, Registrations
 from topkv.service.worker.media import check_medium_name
 from topkv.topology.model import Cluster, TopologyError
@@ -215,7 +222,8 @@ class OrchestratorService:
         self._checks: OrderedDict[int, DecodeCheck] = OrderedDict()
         self._generate: OrderedDict[int, int] = OrderedDict()  # request -> new_tokens
         self._ids = itertools.count(1)
-        self._round_robin = itertools.count()
+        self.prefill_health = PrefillHealth(self.orchestrator.metrics.registry)
+        self.prefill = PrefillStarter(self.executor, self.prefill_health, self._prefill_pool)
         self._tasks: list[asyncio.Task[None]] = []
         self._decode_tasks: set[asyncio.Task[None]] = set()
 
@@ -241,6 +249,7 @@ class OrchestratorService:
         for task in list(self._decode_tasks):
             task.cancel()
         await asyncio.gather(*self._decode_tasks, return_exceptions=True)
+        await self.prefill.close()
         await self.executor.close()
         await asyncio.to_thread(self.registry.close)
 
@@ -318,14 +327,14 @@ class OrchestratorService:
         data["decode_check"] = self._checks.get(record.request_id)
         return TransferView.model_validate(data)
 
-    def _pick_source(self) -> WorkerInfo:
+    def _prefill_pool(self) -> list[WorkerInfo]:
         if self.adp is not None:  # converted workers in, drained ones out
-            prefill = self.adp.prefill_workers()
-        else:
-            prefill = self.orchestrator.view.workers("prefill")
-        if not prefill:
-            raise UnknownWorker("no prefill worker is registered")
-        return prefill[next(self._round_robin) % len(prefill)]
+            return list(self.adp.prefill_workers())
+        return list(self.orchestrator.view.workers("prefill"))
+
+    def _pick_source(self) -> WorkerInfo:
+        """The next healthy prefill worker (for a request that starts no prefill)."""
+        return self.prefill.candidates()[0]
 
     def _next_id(self) -> int:
         while True:
@@ -364,9 +373,14 @@ class OrchestratorService:
     async def submit(self, request: web.Request) -> web.Response:
         body = await read_model(request, SubmitRequest)
         layout = None if body.is_prompt else body.resolved_layout().to_layout()
-        source = self.orchestrator.view.get(body.source) if body.source else self._pick_source()
-        if source is None or source.role != "prefill":
+        starts_prefill = body.is_prompt or body.prefill
+        chosen = self.orchestrator.view.get(body.source) if body.source else None
+        if body.source and (chosen is None or chosen.role != "prefill"):
             raise UnknownWorker(f"{body.source!r} is not a registered prefill worker")
+        if chosen is None and not self._prefill_pool():
+            raise UnknownWorker("no prefill worker is registered")
+        if chosen is None and not starts_prefill:
+            chosen = self._pick_source()
         rid = body.request_id if body.request_id is not None else self._next_id()
         existing = self.orchestrator.transfers.get(rid)
         if existing is not None and not existing.terminal:
@@ -375,17 +389,20 @@ class OrchestratorService:
             check_medium_name(body.medium)
         self.executor.force_medium(rid, body.medium)
         if body.is_prompt:
-            record = await self._submit_prompt(body, rid, source)
+            record = await self._submit_prompt(body, rid, chosen)
             if self.adp is not None:
                 self.adp.arrived(record.layout.seq_len)
             return model_response(self.view_of(record), status=202)
         assert layout is not None
         digest: int | None = None
         if body.prefill:
-            held = await self.executor.prefill(
-                source, rid, PrefillRequest(model_id=body.model, layout=LayoutModel.of(layout))
+            source, held = await self.prefill.start(
+                rid, PrefillRequest(model_id=body.model, layout=LayoutModel.of(layout)), chosen
             )
             digest = held.digest
+        else:
+            assert chosen is not None
+            source = chosen
         record = await self.orchestrator.submit(
             rid,
             body.model,
@@ -400,11 +417,11 @@ class OrchestratorService:
         return model_response(self.view_of(record), status=202)
 
     async def _submit_prompt(
-        self, body: SubmitRequest, rid: int, source: WorkerInfo
+        self, body: SubmitRequest, rid: int, chosen: WorkerInfo | None
     ) -> TransferRecord:
-        """Start the source's prefill of the prompt, then the transfer while it computes."""
-        started = await self.executor.prefill(
-            source,
+        """Start a healthy prefill worker's (or the ``chosen`` one's) prefill of the prompt,
+        then the transfer while it computes."""
+        source, started = await self.prefill.start(
             rid,
             PrefillRequest(
                 model_id=body.model,
@@ -413,6 +430,7 @@ class OrchestratorService:
                 prompt_tokens=body.prompt_tokens,
                 wait=False,
             ),
+            chosen,
         )
         try:
             record = await self.orchestrator.submit(
@@ -570,6 +588,8 @@ class OrchestratorService:
 
 
 def _special_error(exc: TopKVError) -> tuple[int, str] | None:
+    if isinstance(exc, PrefillUnavailable):
+        return exc.status, exc.kind
     return (502, exc.kind.value) if isinstance(exc, AttemptFailed) else None
 
 

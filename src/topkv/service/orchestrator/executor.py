@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 import aiohttp
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from topkv.errors import ConfigError
 from topkv.relay.executor import AttemptFailed, AttemptPlan, Delivery
@@ -68,6 +68,9 @@ M = TypeVar("M", bound=BaseModel)
 
 #: Extra seconds an HTTP call may take beyond the attempt's own timeout.
 _HTTP_MARGIN_S = 5.0
+
+#: The largest answer read from a worker's control API (a longer one is a failed call).
+_MAX_ANSWER_BYTES = 16 << 20
 
 #: Requests remembered per table (forced media, prefill's first tokens, attempt reports).
 _REMEMBERED = 65_536
@@ -193,7 +196,9 @@ class RemoteExecutor:
         refusal: bool = False,
     ) -> Any:
         """One JSON call; worker errors become :class:`AttemptFailed` with their kind
-        (with ``refusal``, a ``400`` becomes :class:`ConfigError`: the request was bad)."""
+        (with ``refusal``, a ``400`` becomes :class:`ConfigError`: the request was bad). An
+        answer that is not HTTP, is cut short or is over :data:`_MAX_ANSWER_BYTES` is an
+        unreachable worker; a body that is not JSON reads as None."""
         if not worker.control_url:
             raise AttemptFailed(unreachable, f"{worker.worker_id} registered no control URL")
         url = f"{worker.control_url.rstrip('/')}{path}"
@@ -205,9 +210,9 @@ class RemoteExecutor:
                 headers={"Content-Type": "application/json", **epoch_headers(self.epoch)},
                 timeout=aiohttp.ClientTimeout(total=timeout_s),
             ) as response:
-                text = await response.text()
+                text = await _answer_text(response, worker, path)
                 status = response.status
-        except (aiohttp.ClientConnectionError, ConnectionError) as exc:
+        except (aiohttp.ClientError, ConnectionError) as exc:
             tls = tls_failure(url, exc, self.tls, user_url=False)
             why = f"{worker.worker_id}: {tls}" if tls else f"{worker.worker_id} unreachable: {exc}"
             raise AttemptFailed(unreachable, why) from exc
@@ -217,7 +222,7 @@ class RemoteExecutor:
             ) from exc
         try:
             payload = json.loads(text) if text else None
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # not JSON, or nested beyond reason
             payload = None
         if status < 300:
             return payload
@@ -238,7 +243,7 @@ class RemoteExecutor:
             self.call_timeout_s,
             FailureKind.SOURCE_LOST,
         )
-        held = KVSummary.model_validate(payload)
+        held = _parsed(source, f"/v1/kv/{request_id}", payload, KVSummary, FailureKind.SOURCE_LOST)
         self._note(held)
         return held
 
@@ -276,7 +281,7 @@ class RemoteExecutor:
             failure,
             refusal=True,
         )
-        return answer.model_validate(payload)
+        return _parsed(worker, path, payload, answer, failure)
 
     async def prefill(self, source: WorkerInfo, request_id: int, body: PrefillRequest) -> KVSummary:
         """Ask a prefill worker to produce request ``request_id``'s KV with its engine (with
@@ -325,7 +330,9 @@ class RemoteExecutor:
             FailureKind.DESTINATION_DIED,
             not_found=FailureKind.TRANSPORT,
         )
-        held = KVSummary.model_validate(payload)
+        held = _parsed(
+            worker, f"/v1/kv/{request_id}", payload, KVSummary, FailureKind.DESTINATION_DIED
+        )
         if not held.complete:
             raise AttemptFailed(FailureKind.TRANSPORT, f"{worker.worker_id}: KV not whole")
         return held.digest
@@ -453,7 +460,9 @@ class RemoteExecutor:
             medium=send.medium,
             keep=keep,
         )
-        ready = ReceiveReady.model_validate(
+        ready = _parsed(
+            destination,
+            "/v1/receive",
             await self._call(
                 destination,
                 "POST",
@@ -461,10 +470,14 @@ class RemoteExecutor:
                 receive.model_dump_json(),
                 self.call_timeout_s,
                 FailureKind.DESTINATION_DIED,
-            )
+            ),
+            ReceiveReady,
+            FailureKind.DESTINATION_DIED,
         )
         send = send.model_copy(update={"destination": ready.address})
-        sent = SendResult.model_validate(
+        sent = _parsed(
+            source,
+            "/v1/send",
             await self._call(
                 source,
                 "POST",
@@ -472,18 +485,25 @@ class RemoteExecutor:
                 send.model_dump_json(),
                 timeout,
                 FailureKind.SOURCE_LOST,
-            )
+            ),
+            SendResult,
+            FailureKind.SOURCE_LOST,
         )
-        held = KVSummary.model_validate(
+        waited = f"/v1/kv/{wire_id}/wait"
+        held = _parsed(
+            destination,
+            waited,
             await self._call(
                 destination,
                 "POST",
-                f"/v1/kv/{wire_id}/wait",
+                waited,
                 WaitRequest(timeout_s=send.timeout_s).model_dump_json(),
                 timeout,
                 FailureKind.DESTINATION_DIED,
                 not_found=FailureKind.TRANSPORT,
-            )
+            ),
+            KVSummary,
+            FailureKind.DESTINATION_DIED,
         )
         return MoveReport(sent, held)
 
@@ -506,6 +526,40 @@ def _remember(table: OrderedDict[int, Any], request_id: int, value: Any) -> None
     table.move_to_end(request_id)
     while len(table) > _REMEMBERED:
         table.popitem(last=False)
+
+
+async def _answer_text(response: aiohttp.ClientResponse, worker: WorkerInfo, path: str) -> str:
+    """The answer's body as text (undecodable bytes replaced), at most
+    :data:`_MAX_ANSWER_BYTES`; a longer one raises ``aiohttp.ClientPayloadError``."""
+    declared = response.content_length
+    if declared is not None and declared > _MAX_ANSWER_BYTES:
+        raise aiohttp.ClientPayloadError(
+            f"{worker.worker_id} answered {path} with {declared} bytes (at most "
+            f"{_MAX_ANSWER_BYTES} are read)"
+        )
+    data = bytearray()
+    async for chunk in response.content.iter_any():
+        data += chunk
+        if len(data) > _MAX_ANSWER_BYTES:
+            raise aiohttp.ClientPayloadError(
+                f"{worker.worker_id} answered {path} with over {_MAX_ANSWER_BYTES} bytes"
+            )
+    return data.decode("utf-8", "replace")
+
+
+def _parsed(
+    worker: WorkerInfo, path: str, payload: object, answer: type[M], kind: FailureKind
+) -> M:
+    """``payload`` as an ``answer``; an answer of another shape (nonsense from a worker)
+    is a failed call of ``kind``, an :class:`AttemptFailed`, never a crash."""
+    try:
+        return answer.model_validate(payload)
+    except ValidationError as exc:
+        raise AttemptFailed(
+            kind,
+            f"{worker.worker_id} answered {path} with nonsense: not a {answer.__name__} "
+            f"({exc.error_count()} error(s))",
+        ) from None
 
 
 def _worker_error(

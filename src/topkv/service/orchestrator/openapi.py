@@ -98,7 +98,8 @@ def openapi_document() -> dict[str, Any]:
                     "400": _error("invalid body (validation errors listed)"),
                     "409": _error("unknown prefill worker, or the request id is active"),
                     "429": _error("submission queue full: back off and retry"),
-                    "502": _error("the prefill worker could not produce the KV"),
+                    "502": _error("every prefill worker tried could not produce the KV"),
+                    "503": _error("no healthy prefill worker with room is left"),
                 },
             }
         },
